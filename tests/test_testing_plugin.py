@@ -1,0 +1,344 @@
+"""distkit.testing: the ``ranks`` fixture and ``run_ranks`` on real gloo groups, no mocks.
+
+Functions that run on the ranks are defined at module level: the ranks import them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distkit
+from distkit.errors import DistkitError
+from distkit.testing import RankFailedError, RankPools, Ranks, run_ranks
+
+pytest_plugins = ["pytester"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- functions the ranks run ----------------------------------------------------------------------
+
+
+def rank_times(factor: int, *, offset: int = 0) -> int:
+    return dist.get_rank() * factor + offset
+
+
+def all_reduce_rank() -> float:
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def master_port_and_pid() -> tuple[str, int]:
+    return os.environ["MASTER_PORT"], os.getpid()
+
+
+def fail_rank_1_first() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(0.3)
+    raise RuntimeError("later failure on rank 0")
+
+
+def fail_rank_1_while_rank_0_sleeps() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(60)
+
+
+def kill_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # gloo reports the dead peer within about 0.3 s
+
+
+def return_unpicklable() -> object:
+    return lambda: None
+
+
+def print_hello() -> int:
+    print(f"hello from rank {dist.get_rank()}")
+    return 0
+
+
+def launcher_view_then_init(tag: str) -> dict[str, object]:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+    view: dict[str, object] = {key: os.environ[key] for key in keys}
+    view["agent_store"] = os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+    view["flag"] = os.environ.get("DISTKIT_TEST_FLAG")
+    view["initialized_before"] = dist.is_initialized()
+    distkit.init("gloo", timeout_s=30)
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    view["sum"] = value.item()
+    view["tag"] = tag
+    return view
+
+
+# -- results and the pool -------------------------------------------------------------------------
+
+
+def test_results_come_back_in_rank_order_with_args_and_kwargs(ranks: Ranks) -> None:
+    assert ranks.run(rank_times, 10, offset=1, world_size=3) == [1, 11, 21]
+    assert ranks.run(all_reduce_rank, world_size=3) == [3.0, 3.0, 3.0]
+
+
+def test_pool_is_reused_across_calls_and_rebuilt_after_a_failure(ranks: Ranks) -> None:
+    first = ranks.run(pid)
+    assert ranks.run(pid) == first
+    with pytest.raises(RankFailedError):
+        ranks.run(fail_rank_1_first)
+    rebuilt = ranks.run(pid)
+    assert set(rebuilt).isdisjoint(first)
+    assert not any(_alive(p) for p in first)
+
+
+def test_pool_rank_that_died_while_idle_is_replaced_before_the_next_call(ranks: Ranks) -> None:
+    first = ranks.run(pid)
+    os.kill(first[1], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(first[1]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(ranks.run(pid)).isdisjoint(first)
+
+
+def test_fresh_ranks_are_new_processes_that_exit_afterwards(ranks: Ranks) -> None:
+    pooled = ranks.run(pid)
+    fresh = ranks.run(pid, fresh=True)
+    assert set(fresh).isdisjoint(pooled)
+    assert not any(_alive(p) for p in fresh)
+    assert ranks.run(pid) == pooled  # the pool was not disturbed
+
+
+def test_fresh_ranks_without_init_get_launcher_env_and_custom_env(ranks: Ranks) -> None:
+    views = ranks.run(
+        launcher_view_then_init,
+        "t1",
+        world_size=2,
+        fresh=True,
+        init=False,
+        env={"DISTKIT_TEST_FLAG": "on"},
+    )
+    for rank, view in enumerate(views):
+        assert view == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "agent_store": "True",
+            "flag": "on",
+            "initialized_before": False,
+            "sum": 2.0,
+            "tag": "t1",
+        }
+
+
+def test_two_runners_at_once_use_different_ports_and_close_leaves_no_processes() -> None:
+    with RankPools() as first, RankPools() as second:
+        (port_a, _), (_, pid_a1) = first.run(master_port_and_pid)
+        (port_b, _), (_, pid_b1) = second.run(master_port_and_pid)
+        pids = [*(first.pids() or []), *(second.pids() or [])]
+        assert port_a != port_b
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert pid_a1 in pids and pid_b1 in pids
+    assert not any(_alive(p) for p in pids)
+
+
+def test_rank_output_is_forwarded_to_stderr_with_rank_prefix(
+    ranks: Ranks, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ranks.run(print_hello)
+    err = capsys.readouterr().err
+    assert "[rank 0/2] hello from rank 0" in err and "[rank 1/2] hello from rank 1" in err
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+
+def test_rank_exception_reaches_parent_with_traceback_first_failing_rank_first(
+    ranks: Ranks,
+) -> None:
+    with pytest.raises(RankFailedError) as info:
+        ranks.run(fail_rank_1_first)
+    err = info.value
+    assert isinstance(err, DistkitError)
+    assert [(f.rank, f.kind) for f in err.failures] == [(1, "exception"), (0, "exception")]
+    message = str(err)
+    assert "[rank 1/2] failed first" in message
+    assert "ValueError: boom from rank 1" in message
+    # The full remote traceback, pointing into this file's function.
+    assert "Traceback (most recent call last)" in message
+    assert "in fail_rank_1_first" in message and 'raise ValueError("boom from rank 1")' in message
+    assert "[rank 0/2] RuntimeError: later failure on rank 0" in message
+    assert message.index("boom from rank 1") < message.index("later failure on rank 0")
+
+
+def test_ranks_still_running_after_a_failure_are_killed_after_the_grace_period() -> None:
+    threads = threading.active_count()
+    with RankPools(grace_s=0.5) as pools:
+        pids = pools.run(pid)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError) as info:
+            pools.run(fail_rank_1_while_rank_0_sleeps, timeout_s=60)
+        elapsed = time.monotonic() - start
+        # Killed and reaped at once, not left for close(); no helper thread either.
+        assert not any(_alive(p) for p in pids)
+        assert threading.active_count() == threads
+    assert elapsed < 10, elapsed
+    assert [(f.rank, f.kind) for f in info.value.failures] == [(1, "exception"), (0, "killed")]
+    assert "[rank 0/2] killed after rank 1 failed" in str(info.value)
+
+
+def test_killed_rank_is_reported_promptly_with_its_exit_code(ranks: Ranks) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        ranks.run(kill_rank_1, timeout_s=60)
+    assert time.monotonic() - start < 10  # not the 60 s deadline
+    first = info.value.failures[0]
+    assert (first.rank, first.kind, first.exitcode) == (1, "exit", -signal.SIGKILL)
+    assert "[rank 1/2] exited with code -9 (SIGKILL)" in str(info.value)
+
+
+def test_unpicklable_result_fails_naming_the_type(ranks: Ranks) -> None:
+    with pytest.raises(RankFailedError, match="returned a function that cannot be pickled"):
+        ranks.run(return_unpicklable)
+
+
+def test_lambdas_closures_and_conflicting_options_are_rejected_with_the_fix(ranks: Ranks) -> None:
+    with pytest.raises(ValueError, match=r"got a lambda.*Define it with `def` at module level"):
+        ranks.run(lambda: 0)
+
+    def nested() -> int:
+        return 0
+
+    with pytest.raises(ValueError, match="nested function or closure"):
+        ranks.run(nested)
+    with pytest.raises(ValueError, match="init=False needs fresh=True"):
+        ranks.run(pid, init=False)
+    with pytest.raises(ValueError, match="env= needs fresh=True"):
+        ranks.run(pid, env={"A": "1"})
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        ranks.run(pid, world_size=0)
+
+
+def test_nccl_without_enough_gpus_skips_with_a_reason(ranks: Ranks) -> None:
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs; the skip path cannot be reached")
+    with pytest.raises(pytest.skip.Exception, match="needs 2 CUDA devices; this machine has"):
+        ranks.run(pid, backend="nccl", world_size=2)
+
+
+# -- inner pytest sessions: skip and hang ---------------------------------------------------------
+
+
+def test_pytest_skip_on_every_rank_skips_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_inner_skip="""
+        import pytest
+
+        def skip_everywhere():
+            pytest.skip("no widgets on this rank")
+
+        def test_skipped(ranks):
+            ranks.run(skip_everywhere, world_size=2)
+        """
+    )
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no widgets on this rank*"])
+
+
+def test_hung_rank_fails_only_its_test_with_every_rank_stack_and_next_test_passes(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_inner_hang="""
+        import time
+        import torch.distributed as dist
+
+        def hang_on_rank_1():
+            if dist.get_rank() == 1:
+                time.sleep(120)
+            dist.barrier()
+
+        def world():
+            return dist.get_world_size()
+
+        def test_hangs(ranks):
+            ranks.run(hang_on_rank_1, world_size=2, timeout_s=5)
+
+        def test_next_one_gets_a_new_pool(ranks):
+            assert ranks.run(world, world_size=2) == [2, 2]
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest()
+    elapsed = time.monotonic() - start
+    result.assert_outcomes(failed=1, passed=1)
+    assert elapsed < 5 + 20, elapsed
+    output = result.stdout.str()
+    assert "RankFailedError" in output and "did not finish within 5 s (timeout_s)" in output
+    assert "[rank 0/2] still running" in output and "[rank 1/2] still running" in output
+    # Rank 1's stack shows where it sleeps; rank 0's shows the barrier it waits in.
+    assert output.count("in hang_on_rank_1") >= 2 and "in barrier" in output
+
+
+# -- without pytest -------------------------------------------------------------------------------
+
+
+def test_run_ranks_works_without_pytest_and_leaves_no_processes(tmp_path) -> None:
+    script = tmp_path / "bench_like.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+
+            def world_and_pid():
+                import distkit
+                return distkit.get_world_size(), os.getpid()
+
+            if __name__ == "__main__":
+                # Checked here, not at top level: every rank re-imports this script as a module.
+                import distkit
+                assert "pytest" not in sys.modules and "distkit.testing" not in sys.modules
+                import distkit.testing
+                assert "pytest" not in sys.modules
+                results = distkit.testing.run_ranks(world_and_pid, world_size=2)
+                assert [w for w, _ in results] == [2, 2], results
+                assert "pytest" not in sys.modules
+                print(" ".join(str(p) for _, p in results))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+
+
+def test_run_ranks_is_the_same_call_as_the_fixture() -> None:
+    assert run_ranks(rank_times, 2, world_size=2) == [0, 2]
