@@ -117,9 +117,10 @@ class RankFailedError(DistkitError):
         True
     """
 
-    def __init__(self, message: str, *, failures: list[RankFailure]) -> None:
+    def __init__(self, message: str, *, failures: list[RankFailure] | None = None) -> None:
+        # Optional so that pickle (which calls cls(message) and then restores __dict__) works.
         super().__init__(message)
-        self.failures = failures
+        self.failures = failures or []
 
 
 @dataclass
@@ -168,8 +169,8 @@ def _tidy_stack(dump: str) -> str:
 def _context() -> BaseContext:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")  # Windows: no fork at all
-    # A forkserver that imported torch once forks each rank in milliseconds (spawn: about 1.5 s,
-    # the cost of `import torch`). It is safe: the server is single-threaded and never touches
+    # A forkserver that imported torch once forks each rank in milliseconds (spawn: 1.5-3 s per
+    # start on 2 cores, mostly `import torch`). It is safe: the server is single-threaded and never touches
     # CUDA, unlike forking the parent. pytest is preloaded when present because every rank imports
     # the user's test module, which imports pytest. The preload only applies to a server that is
     # not running yet; modules already asked for by someone else are kept.
@@ -258,7 +259,7 @@ def _skip_without_gpus(backend: str, world_size: int) -> None:
         return
     # device_count() does not create a CUDA context, and the ranks come from the forkserver, not
     # from a fork of this process, so asking here is safe.
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()
     if count < world_size:
         _skip(
             "skip",
@@ -309,21 +310,21 @@ class _Group:
         """Start the ranks and wait until each has joined (or failed to)."""
         __tracebackhide__ = True  # pytest: show the test, not this plumbing
         ctx = _context()
-        self._dir = tempfile.mkdtemp(prefix="distkit-ranks-")
-        # Port 0: the OS picks a free port atomically, so concurrent runs never collide.
-        self._store = dist.TCPStore(
-            host_name="127.0.0.1",
-            port=0,
-            world_size=None,
-            is_master=True,
-            wait_for_workers=False,
-            use_libuv=True,
-        )
-        self.port = self._store.port
         # Forkserver children inherit the server's environment, not ours; send ours as it is now.
         base = dict(os.environ)
         ok = False
         try:
+            self._dir = tempfile.mkdtemp(prefix="distkit-ranks-")
+            # Port 0: the OS picks a free port atomically, so concurrent runs never collide.
+            self._store = dist.TCPStore(
+                host_name="127.0.0.1",
+                port=0,
+                world_size=None,
+                is_master=True,
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+            port = self.port = self._store.port
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()
                 life_read, life_write = ctx.Pipe(duplex=False)
@@ -336,7 +337,7 @@ class _Group:
                         base,
                         rank=rank,
                         world_size=self.world_size,
-                        port=self.port,
+                        port=port,
                         extra=self.env,
                     ),
                     log_path=self._log_path(rank),
@@ -349,12 +350,16 @@ class _Group:
                     # Not daemonic: a rank may start processes of its own (DataLoader workers).
                     daemon=False,
                 )
-                self.procs.append(proc)
                 self._conns.append(parent_end)
                 self._lifelines.append(life_write)
-                proc.start()
-                child_end.close()
-                life_read.close()
+                try:
+                    proc.start()
+                finally:
+                    # The child has its own copies now (or never will); ours would keep the
+                    # pipes open after the child's death.
+                    child_end.close()
+                    life_read.close()
+                self.procs.append(proc)
             outcomes, stacks = self._collect(time.monotonic() + self.start_timeout_s)
             failures = self._failures(outcomes)
             if failures:
@@ -476,7 +481,11 @@ class _Group:
             for rank in pending:
                 waitables[self._conns[rank]] = rank
                 waitables[self.procs[rank].sentinel] = rank
-            for ready in wait_ready(list(waitables), timeout=remaining):
+            ready_now = wait_ready(list(waitables), timeout=remaining)
+            # Deaths first: when a rank dies, its peers' "connection closed" errors follow; if
+            # both arrived while this process was not looking, the death is the cause.
+            ready_now.sort(key=lambda obj: not isinstance(obj, int))
+            for ready in ready_now:
                 rank = waitables[ready]
                 if rank not in pending:
                     continue
@@ -562,7 +571,7 @@ class _Group:
                 kind=kinds[outcome.kind],
                 summary=outcome.line or f"did not finish (pid {self.pids[rank]})",
                 details=outcome.text,
-                pid=self.pids[rank] if self.pids[rank] is not None else self._pid(rank),
+                pid=self._pid(rank),
                 exitcode=outcome.exitcode,
             )
             for _, rank, outcome in failing
@@ -610,7 +619,7 @@ class _Group:
                     lines.append(first.details.rstrip())
                 failures = failures[1:]
             if failures:
-                lines.append("----- other ranks -----")
+                lines.append("----- other ranks -----" if first.kind != "killed" else "----- ranks -----")
                 lines.extend(f"{f.label} {f.summary}" for f in failures)
         lines.append("The ranks were killed; the next call starts new ones.")
         return "\n".join(lines)
