@@ -1,7 +1,7 @@
 """distkit: PyTorch training on many processes, correct by default and fast.
 
-``import distkit`` imports torch and distkit's own light helpers only; it probes no device, sets
-no environment variable and adds no log handler.
+``import distkit`` is nearly free: every public name (and torch with it) loads on first use. It
+probes no device, sets no environment variable and adds no log handler.
 
 Example:
     >>> import distkit
@@ -10,44 +10,45 @@ Example:
     {'loss': 0.5}
 """
 
-from distkit.collectives import (
-    MetricValue,
-    all_gather,
-    all_gather_object,
-    all_ranks,
-    all_reduce,
-    any_rank,
-    broadcast_object,
-    reduce_metrics,
-)
-from distkit.env import LaunchEnv, detect_env, expand_slurm_nodelist
-from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
-from distkit.runtime import (
-    DEFAULT_TIMEOUT_S,
-    RankLoggerAdapter,
-    barrier,
-    get_device,
-    get_env,
-    get_local_rank,
-    get_local_world_size,
-    get_logger,
-    get_node_rank,
-    get_rank,
-    get_world_size,
-    init,
-    is_distributed,
-    is_initialized,
-    is_local_main_process,
-    is_main_process,
-    main_process_only,
-    rank_zero_print,
-    shutdown,
-)
-
 __version__ = "0.1.0"
 
-# Heavier parts load on first use, so `import distkit` stays as light as torch itself.
+# Every public name loads on first use: `import distkit` itself imports nothing heavy (not even
+# torch), so the pytest plugin that the distkit package registers costs other test suites nothing.
 _LAZY: dict[str, str] = {
+    # launcher environment, runtime and collectives
+    "MetricValue": "distkit.collectives",
+    "all_gather": "distkit.collectives",
+    "all_gather_object": "distkit.collectives",
+    "all_ranks": "distkit.collectives",
+    "all_reduce": "distkit.collectives",
+    "any_rank": "distkit.collectives",
+    "broadcast_object": "distkit.collectives",
+    "reduce_metrics": "distkit.collectives",
+    "LaunchEnv": "distkit.env",
+    "detect_env": "distkit.env",
+    "expand_slurm_nodelist": "distkit.env",
+    "CollectiveTimeoutError": "distkit.errors",
+    "DistkitError": "distkit.errors",
+    "MainProcessError": "distkit.errors",
+    "DEFAULT_TIMEOUT_S": "distkit.runtime",
+    "RankLoggerAdapter": "distkit.runtime",
+    "barrier": "distkit.runtime",
+    "get_device": "distkit.runtime",
+    "get_env": "distkit.runtime",
+    "get_local_rank": "distkit.runtime",
+    "get_local_world_size": "distkit.runtime",
+    "get_logger": "distkit.runtime",
+    "get_node_rank": "distkit.runtime",
+    "get_rank": "distkit.runtime",
+    "get_world_size": "distkit.runtime",
+    "init": "distkit.runtime",
+    "is_distributed": "distkit.runtime",
+    "is_initialized": "distkit.runtime",
+    "is_local_main_process": "distkit.runtime",
+    "is_main_process": "distkit.runtime",
+    "main_process_only": "distkit.runtime",
+    "rank_zero_print": "distkit.runtime",
+    "shutdown": "distkit.runtime",
     # coordination and storage
     "main_process_first": "distkit.coordination",
     "run_on_main": "distkit.coordination",
@@ -95,40 +96,4 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "CollectiveTimeoutError",
-    "DistkitError",
-    "LaunchEnv",
-    "MainProcessError",
-    "MetricValue",
-    "RankLoggerAdapter",
-    "__version__",
-    "all_gather",
-    "all_gather_object",
-    "all_ranks",
-    "all_reduce",
-    "any_rank",
-    "barrier",
-    "broadcast_object",
-    "detect_env",
-    "expand_slurm_nodelist",
-    "get_device",
-    "get_env",
-    "get_local_rank",
-    "get_local_world_size",
-    "get_logger",
-    "get_node_rank",
-    "get_rank",
-    "get_world_size",
-    "init",
-    "is_distributed",
-    "is_initialized",
-    "is_local_main_process",
-    "is_main_process",
-    "main_process_only",
-    "rank_zero_print",
-    "reduce_metrics",
-    "shutdown",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]

@@ -14,20 +14,6 @@ Example:
     ...     assert ranks.run(all_reduce_one, world_size=2) == [2.0, 2.0]
 """
 
-from distkit.testing._runner import (
-    DEFAULT_TIMEOUT_S,
-    RankFailedError,
-    RankFailure,
-    RankPools,
-    Ranks,
-    run_ranks,
-)
-
-# Errors and reprs name the public home of these objects, not the private module that defines them.
-for _obj in (RankFailedError, RankFailure, RankPools, Ranks, run_ranks):
-    _obj.__module__ = __name__
-del _obj
-
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RankFailedError",
@@ -36,3 +22,13 @@ __all__ = [
     "Ranks",
     "run_ranks",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Loaded on first use: pytest imports this package through the plugin entry point in every
+    # session, also in projects whose tests never start a rank, and _runner imports torch.
+    if name not in __all__:
+        raise AttributeError(f"module 'distkit.testing' has no attribute {name!r}")
+    from distkit.testing import _runner
+
+    return getattr(_runner, name)

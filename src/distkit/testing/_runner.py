@@ -984,3 +984,9 @@ def run_ranks(
         env=env,
         **kwargs,
     )
+
+
+# Errors and reprs name the public home of these objects, not the private module that defines them.
+for _public in (RankFailedError, RankFailure, RankPools, Ranks, run_ranks):
+    _public.__module__ = "distkit.testing"
+del _public

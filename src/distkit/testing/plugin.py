@@ -16,10 +16,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from distkit.testing._runner import RankPools, Ranks
+if TYPE_CHECKING:
+    from distkit.testing._runner import RankPools, Ranks
 
 __all__ = ["ranks"]
 
@@ -27,6 +29,10 @@ __all__ = ["ranks"]
 @pytest.fixture(scope="session")
 def _distkit_rank_pools() -> Iterator[RankPools]:
     # One set of pools per session (an inner pytester session gets its own), stopped at its end.
+    # Imported here, not at module level: pytest loads this plugin in every session of every
+    # project that has distkit installed, and the runner imports torch.
+    from distkit.testing._runner import RankPools
+
     pools = RankPools()
     try:
         yield pools
@@ -46,4 +52,6 @@ def ranks(_distkit_rank_pools: RankPools) -> Ranks:
         >>> def test_world(ranks):  # doctest: +SKIP
         ...     assert ranks.run(get_world_size, world_size=3) == [3, 3, 3]
     """
+    from distkit.testing._runner import Ranks
+
     return Ranks(_distkit_rank_pools)
