@@ -10,6 +10,7 @@ import atexit
 import builtins
 import functools
 import logging
+import os
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -254,7 +255,11 @@ def init(
         return env
 
     chosen = _resolve_backend(backend, dev)
-    store = _connect_store(env, timeout)
+    # torchrun keeps one store across restarts of the workers; keys of an earlier attempt (gloo's
+    # addresses, barrier arrivals) must not be read by this one, so every key carries the attempt,
+    # as torch's own rendezvous does.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"distkit-attempt-{attempt}/", _connect_store(env, timeout))
     try:
         dist.init_process_group(
             chosen,
