@@ -55,6 +55,8 @@ _LAZY: dict[str, str] = {
     "download": "distkit.storage",
     "upload": "distkit.storage",
     "UploadHandle": "distkit.storage",
+    "ChecksumMismatchError": "distkit.storage",
+    "LockTimeoutError": "distkit.storage",
     # checkpoints
     "save_checkpoint": "distkit.checkpoint",
     "load_checkpoint": "distkit.checkpoint",

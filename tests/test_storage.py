@@ -1,0 +1,503 @@
+"""download and upload against real storage: local files, memory://, HTTP and S3 servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import filelock
+import fsspec
+import pytest
+
+import distkit
+import storage_servers
+from distkit import storage
+from distkit.testing import RankFailedError
+from storage_servers import FileServer, S3Endpoint, Stall
+
+# The servers' fixtures, made visible to this module's tests.
+http_server = storage_servers.http_server
+s3 = storage_servers.s3
+
+ROOT = Path(__file__).resolve().parents[1]
+PAYLOAD = hashlib.sha256(b"seed").digest() * 32768  # 1 MiB, incompressible enough
+DIGEST = hashlib.sha256(PAYLOAD).hexdigest()
+SECRET = "S3CR3T-d0-not-leak-7f3a"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+
+
+@pytest.fixture(autouse=True)
+def world_of_one(monkeypatch: pytest.MonkeyPatch):
+    # Calls made in this process (not through `ranks`) run as a world of one.
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    distkit.shutdown()
+    yield
+    distkit.shutdown()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _make_tree(root: Path) -> dict[str, bytes]:
+    files = {"a.txt": b"alpha\n", "sub/b.bin": bytes(range(256)) * 10, "sub/deeper/c.txt": b""}
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".distkit-tmp" in p.name)
+
+
+# -- download: sources ------------------------------------------------------------------------------
+
+
+def test_http_download_is_verified_and_not_fetched_again(http_server: FileServer, tmp_path: Path) -> None:
+    http_server.files["/data.bin"] = PAYLOAD
+    dest = tmp_path / "cache" / "data.bin"  # the directory is created
+    assert distkit.download(http_server.url("/data.bin"), dest, sha256=DIGEST.upper()) == dest
+    assert dest.read_bytes() == PAYLOAD
+    requests = list(http_server.requests)
+    assert http_server.gets["/data.bin"] == 1
+    assert distkit.download(http_server.url("/data.bin"), str(dest), sha256=DIGEST) == dest
+    assert http_server.requests == requests  # an existing, verified dest costs no request at all
+    assert _leftovers(dest.parent) == []
+
+
+def test_existing_dest_that_fails_its_checksum_is_fetched_again(
+    http_server: FileServer, tmp_path: Path
+) -> None:
+    http_server.files["/data.bin"] = PAYLOAD
+    dest = tmp_path / "data.bin"
+    dest.write_bytes(b"stale")
+    distkit.download(http_server.url("/data.bin"), dest, sha256=DIGEST)
+    assert dest.read_bytes() == PAYLOAD and http_server.gets["/data.bin"] == 1
+
+
+def test_directories_download_from_file_urls_memory_and_s3(tmp_path: Path, s3: S3Endpoint) -> None:
+    files = _make_tree(tmp_path / "src")
+    assert _tree(distkit.download(f"file://{tmp_path / 'src'}", tmp_path / "from-file")) == files
+
+    memory = fsspec.filesystem("memory")
+    for rel, data in files.items():
+        memory.pipe(f"/dk-download/tree/{rel}", data)
+    assert _tree(distkit.download("memory://dk-download/tree", tmp_path / "from-memory")) == files
+
+    bucket = s3.bucket("dk-download")
+    for rel, data in files.items():
+        bucket.pipe(f"dk-download/tree/{rel}", data)
+    bucket.pipe("dk-download/data.bin", PAYLOAD)
+    got = distkit.download("s3://dk-download/tree", tmp_path / "from-s3", storage_options=s3.options())
+    assert _tree(got) == {rel: data for rel, data in files.items()}
+    one = distkit.download(
+        "s3://dk-download/data.bin", tmp_path / "one.bin", sha256=DIGEST, storage_options=s3.options()
+    )
+    assert one.read_bytes() == PAYLOAD
+    assert _leftovers(tmp_path) == []
+
+
+def test_bad_checksums_are_rejected_and_leave_nothing(tmp_path: Path) -> None:
+    (tmp_path / "src.bin").write_bytes(PAYLOAD)
+    with pytest.raises(storage.ChecksumMismatchError) as info:
+        distkit.download(tmp_path / "src.bin", tmp_path / "dest.bin", sha256="f" * 64)
+    assert (info.value.expected, info.value.actual) == ("f" * 64, DIGEST)
+    copy = pickle.loads(pickle.dumps(info.value))  # e.g. sent back by a multiprocessing pool
+    assert (str(copy), copy.actual) == (str(info.value), DIGEST)
+    assert not (tmp_path / "dest.bin").exists()
+    _make_tree(tmp_path / "src")
+    with pytest.raises(ValueError, match="sha256 checks a single file"):
+        distkit.download(tmp_path / "src", tmp_path / "copy", sha256=DIGEST)
+    assert not (tmp_path / "copy").exists() and _leftovers(tmp_path) == []
+    with pytest.raises(ValueError, match="64 hexadecimal digits"):
+        distkit.download(tmp_path / "src", tmp_path / "copy", sha256="abc")
+
+
+# -- download: coordination -----------------------------------------------------------------------
+
+
+def fetch_in_job(url: str, dest: str, markers: str) -> str:
+    # Say "this job's fetching rank has arrived"; the server holds its one GET until both jobs did.
+    Path(markers, f"{os.environ['TEST_JOB']}-{distkit.get_rank()}").touch()
+    path = distkit.download(url, dest, sha256=DIGEST, timeout_s=60)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_two_jobs_downloading_the_same_url_at_once_fetch_it_once(
+    ranks, http_server: FileServer, tmp_path: Path
+) -> None:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    http_server.files["/shared.bin"] = PAYLOAD
+    http_server.stalls["/shared.bin"] = Stall(
+        after_bytes=len(PAYLOAD) // 2,
+        release=lambda: (markers / "a-0").exists() and (markers / "b-0").exists(),
+    )
+    dest = str(tmp_path / "cache" / "shared.bin")
+    results: dict[str, Any] = {}
+
+    def job(name: str) -> None:
+        try:
+            results[name] = ranks.run(
+                fetch_in_job,
+                http_server.url("/shared.bin"),
+                dest,
+                str(markers),
+                world_size=2,
+                fresh=True,
+                env={"TEST_JOB": name},
+                timeout_s=120,
+            )
+        except BaseException as err:
+            results[name] = err
+
+    threads = [threading.Thread(target=job, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert results == {"a": [DIGEST, DIGEST], "b": [DIGEST, DIGEST]}
+    # The one GET was held until both jobs had called download(): the two ran at once.
+    assert http_server.stalls["/shared.bin"].released.is_set()
+    assert http_server.gets["/shared.bin"] == 1
+    assert _leftovers(tmp_path / "cache") == []
+
+
+def download_and_die(url: str, dest: str) -> None:
+    target = Path(dest)
+    prefix = f".{target.name}.distkit-tmp-"
+
+    def kill_when_half_written() -> None:
+        while True:
+            for entry in os.scandir(target.parent):
+                if entry.name.startswith(prefix) and entry.stat().st_size > 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_when_half_written, daemon=True).start()
+    distkit.download(url, dest, timeout_s=60)
+
+
+def test_download_killed_halfway_leaves_nothing_at_dest_and_the_next_call_succeeds(
+    ranks, http_server: FileServer, tmp_path: Path
+) -> None:
+    http_server.files["/big.bin"] = PAYLOAD
+    http_server.stalls["/big.bin"] = Stall(after_bytes=len(PAYLOAD) // 2, release=lambda: False)
+    dest = tmp_path / "big.bin"
+    with pytest.raises(RankFailedError) as info:
+        ranks.run(download_and_die, http_server.url("/big.bin"), str(dest), world_size=1, fresh=True)
+    assert info.value.failures[0].exitcode == -signal.SIGKILL
+    assert not dest.exists()
+    (partial,) = _leftovers(tmp_path)
+    assert 0 < (tmp_path / partial).stat().st_size < len(PAYLOAD)
+
+    del http_server.stalls["/big.bin"]
+    distkit.download(http_server.url("/big.bin"), dest, sha256=DIGEST, timeout_s=60)
+    assert dest.read_bytes() == PAYLOAD
+    assert _leftovers(tmp_path) == []  # the killed fetch's temporary file was removed
+    assert http_server.gets["/big.bin"] == 2
+
+
+def download_with_wrong_checksum(url: str, dest: str) -> str:
+    try:
+        distkit.download(url, dest, sha256="0" * 64, timeout_s=60)
+    except storage.ChecksumMismatchError as err:
+        return f"own {err.expected[:4]} {err.actual} {err}"
+    except distkit.MainProcessError as err:
+        return f"waited {err.exc_type}"
+    return "no error"
+
+
+def test_checksum_mismatch_raises_on_every_rank_and_leaves_nothing(
+    ranks, http_server: FileServer, tmp_path: Path
+) -> None:
+    http_server.files["/data.bin"] = PAYLOAD
+    dest = tmp_path / "data.bin"
+    main, other = ranks.run(
+        download_with_wrong_checksum, http_server.url("/data.bin"), str(dest), world_size=2
+    )
+    assert main.startswith(f"own 0000 {DIGEST} [rank 0/2] the sha256 of {http_server.url('/data.bin')} is")
+    assert other == "waited distkit.storage.ChecksumMismatchError"
+    assert not dest.exists() and _leftovers(tmp_path) == []
+
+
+# -- download: locks ------------------------------------------------------------------------------
+
+_HOLDER = (
+    "import filelock, sys, time\n"
+    "lock = filelock.FileLock(sys.argv[1]); lock.acquire()\n"
+    "print('held', flush=True); time.sleep(120)\n"
+)
+
+
+def _hold_lock(path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_of_a_killed_holder_is_reclaimed(tmp_path: Path) -> None:
+    (tmp_path / "src.bin").write_bytes(PAYLOAD)
+    dest = tmp_path / "dest.bin"
+    holder = _hold_lock(tmp_path / "dest.bin.lock")
+    holder.kill()
+    holder.wait(timeout=10)
+    # timeout_s bounds the wait: a lock not released by the holder's death would raise here.
+    distkit.download(tmp_path / "src.bin", dest, sha256=DIGEST, timeout_s=10)
+    assert dest.read_bytes() == PAYLOAD
+
+
+def test_lock_held_by_a_live_process_times_out_naming_the_lock_file(tmp_path: Path) -> None:
+    (tmp_path / "src.bin").write_bytes(PAYLOAD)
+    lock = tmp_path / "dest.bin.lock"
+    holder = _hold_lock(lock)
+    try:
+        start = time.monotonic()
+        with pytest.raises(storage.LockTimeoutError) as info:
+            distkit.download(tmp_path / "src.bin", tmp_path / "dest.bin", timeout_s=0.5)
+        assert time.monotonic() - start < 30
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert isinstance(info.value, filelock.Timeout) and isinstance(info.value, distkit.DistkitError)
+    assert info.value.lock_file == str(lock)
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert (str(copy), copy.lock_file) == (str(info.value), str(lock))
+    assert str(info.value).startswith(f"[rank 0/1] could not take the download lock {lock} within 0.5 s")
+    assert not (tmp_path / "dest.bin").exists()
+
+
+# -- download: network errors ---------------------------------------------------------------------
+
+
+def test_transient_http_errors_are_retried_then_succeed(
+    http_server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(storage, "_RETRY_BASE_S", 0.01)
+    caplog.set_level(logging.WARNING, logger="distkit")
+    http_server.files["/data.bin"] = PAYLOAD
+    http_server.fail_next(2)  # the HEAD and the GET of the first attempt's look-up
+    dest = distkit.download(http_server.url("/data.bin"), tmp_path / "data.bin", sha256=DIGEST)
+    assert dest.read_bytes() == PAYLOAD
+    assert [status for _, _, status in http_server.requests].count(503) == 2
+    assert http_server.gets["/data.bin"] == 1
+    assert "retrying in 0.01 s (attempt 2 of 4)" in caplog.text
+
+
+def test_missing_source_is_not_retried(http_server: FileServer, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        distkit.download(http_server.url("/missing.bin"), tmp_path / "missing.bin")
+    assert len(http_server.requests) == 2  # one HEAD and fsspec's GET fallback, no retry
+
+
+def download_from_dead_server(url: str, dest: str) -> str:
+    saved, storage._RETRY_BASE_S = storage._RETRY_BASE_S, 0.01
+    try:
+        distkit.download(url, dest, timeout_s=60)
+    except distkit.MainProcessError as err:
+        return f"waited {err.exc_type}: {err.exc_message}"
+    except distkit.DistkitError as err:
+        return f"own {err}"
+    finally:
+        storage._RETRY_BASE_S = saved
+    return "no error"
+
+
+def test_network_errors_after_the_retries_are_raised_on_every_rank(
+    ranks, http_server: FileServer, tmp_path: Path
+) -> None:
+    http_server.files["/data.bin"] = PAYLOAD
+    http_server.fail_next(1000)
+    url = http_server.url("/data.bin")
+    main, other = ranks.run(download_from_dead_server, url, str(tmp_path / "d.bin"), world_size=2)
+    assert main.startswith(f"own [rank 0/2] looking up {url} failed after 4 attempts")
+    assert other.startswith(f"waited distkit.errors.DistkitError: [rank 0/2] looking up {url} failed after 4")
+    assert len(http_server.requests) == 8  # 4 attempts of HEAD + GET, from rank 0 only
+
+
+# -- upload ---------------------------------------------------------------------------------------
+
+
+def test_upload_writes_trees_and_files_to_local_memory_and_s3(tmp_path: Path, s3: S3Endpoint) -> None:
+    files = _make_tree(tmp_path / "out")
+    assert distkit.upload(tmp_path / "out", str(tmp_path / "up")).done()
+    assert _tree(tmp_path / "up") == files
+    distkit.upload(tmp_path / "out" / "a.txt", f"file://{tmp_path}/single/")
+    assert (tmp_path / "single" / "a.txt").read_bytes() == files["a.txt"]
+
+    memory = fsspec.filesystem("memory")
+    distkit.upload(tmp_path / "out", "memory://dk-upload/run")
+    assert {p[len("/dk-upload/run/") :]: memory.cat(p) for p in memory.find("/dk-upload/run")} == files
+
+    bucket = s3.bucket("dk-upload")
+    handle = distkit.upload(tmp_path / "out", "s3://dk-upload/run", storage_options=s3.options())
+    assert handle.done() and repr(handle).endswith("state='done')")
+    uploaded = {p[len("dk-upload/run/") :]: bucket.cat(p) for p in bucket.find("dk-upload/run")}
+    assert uploaded == files
+    assert not [p for p in memory.find("/dk-upload") + bucket.find("dk-upload") if ".distkit-tmp" in p]
+
+
+def test_upload_refuses_entries_outside_the_tree_before_writing_anything(tmp_path: Path) -> None:
+    tree = tmp_path / "out"
+    files = _make_tree(tree)
+    (tmp_path / "secret.txt").write_text("outside")
+    (tree / "etc").symlink_to("/etc")
+    (tree / "sub" / "up.txt").symlink_to("../../secret.txt")
+    (tree / "inner-link.txt").symlink_to("sub/b.bin")
+    for dest in (str(tmp_path / "up"), "memory://dk-refused/run"):
+        with pytest.raises(distkit.DistkitError) as info:
+            distkit.upload(tree, dest)
+        message = str(info.value)
+        assert "refused before writing anything: 2 entries" in message
+        assert "etc: symlink to /etc, outside" in message
+        assert f"sub/up.txt: symlink to {(tmp_path / 'secret.txt').resolve()}, outside" in message
+    assert not (tmp_path / "up").exists() and not fsspec.filesystem("memory").exists("/dk-refused")
+    with pytest.raises(ValueError, match=r"'\.\.' component"):
+        distkit.upload(tree, "memory://dk-refused/run/../../elsewhere")
+
+    (tree / "etc").unlink()
+    (tree / "sub" / "up.txt").unlink()
+    distkit.upload(tree, str(tmp_path / "up"))
+    assert _tree(tmp_path / "up") == {**files, "inner-link.txt": files["sub/b.bin"]}
+
+
+def upload_from_rank_zero(tree: str, dest: str, marker: str) -> tuple[bool, bool]:
+    other_returned_first = False
+    if distkit.get_rank() == 0:
+        # Upload only once rank 1 has returned from its own call: a barrier inside upload() would
+        # keep rank 1 from returning before this rank arrives, and this wait would run out.
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        other_returned_first = os.path.exists(marker)
+    # The source exists on rank 0 only, as results written by the main process do.
+    handle = distkit.upload(tree if distkit.get_rank() == 0 else tree + "-not-here", dest)
+    if distkit.get_rank() == 1:
+        Path(marker).touch()
+    return handle.done(), other_returned_first
+
+
+def test_upload_runs_on_rank_zero_and_the_others_return_at_once(ranks, tmp_path: Path) -> None:
+    files = _make_tree(tmp_path / "out")
+    marker = str(tmp_path / "rank1-returned")
+    main, other = ranks.run(upload_from_rank_zero, str(tmp_path / "out"), str(tmp_path / "up"), marker)
+    assert main == (True, True)  # rank 1 had returned before rank 0 even called upload()
+    assert other[0] is True
+    assert _tree(tmp_path / "up") == files
+
+
+def test_background_upload_error_surfaces_at_wait(tmp_path: Path, s3: S3Endpoint) -> None:
+    _make_tree(tmp_path / "out")
+    handle = distkit.upload(
+        tmp_path / "out", "s3://dk-no-such-bucket/run", background=True, storage_options=s3.options()
+    )
+    with pytest.raises(FileNotFoundError, match="bucket does not exist"):
+        handle.wait(timeout_s=60)
+    assert handle.done() and repr(handle).endswith("state='failed')")
+    with pytest.raises(FileNotFoundError):
+        handle.wait(timeout_s=1)  # the same error again, for every caller
+
+
+def test_background_upload_finishes_and_wait_has_a_deadline(tmp_path: Path, http_server: FileServer) -> None:
+    files = _make_tree(tmp_path / "out")
+    handle = distkit.upload(tmp_path / "out", str(tmp_path / "up"), background=True)
+    handle.wait(timeout_s=60)
+    assert handle.done() and _tree(tmp_path / "up") == files
+
+    http_server.upload_gate.clear()  # the server sits on the upload until the gate opens
+    slow = distkit.upload(tmp_path / "out" / "a.txt", http_server.url("/a.txt"), background=True)
+    with pytest.raises(TimeoutError, match=r"is still running after 0\.2 s"):
+        slow.wait(timeout_s=0.2)
+    assert not slow.done() and repr(slow).endswith("state='running')")
+    http_server.upload_gate.set()
+    with pytest.raises(Exception, match="405"):  # the server's answer, once it gives one
+        slow.wait(timeout_s=60)
+
+
+# -- secrets --------------------------------------------------------------------------------------
+
+
+def _shown(err: BaseException) -> str:
+    return "".join(traceback.format_exception(type(err), err, err.__traceback__)) + repr(err)
+
+
+def download_with_secret(url: str, dest: str) -> str:
+    try:
+        distkit.download(url, dest, storage_options={"headers": {"Authorization": f"Bearer {SECRET}"}})
+    except Exception as err:
+        return _shown(err)
+    return "no error"
+
+
+def test_secrets_never_appear_in_errors_reprs_or_logs(
+    ranks, http_server: FileServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="distkit")
+    http_server.expected_auth = "Bearer the-right-token"
+    http_server.files["/data.bin"] = PAYLOAD
+    url = http_server.url("/data.bin")
+    options = {"headers": {"Authorization": f"Bearer {SECRET}"}}
+    # The server quotes rejected credentials back: fsspec's own error carries the secret...
+    with pytest.raises(Exception) as raw:
+        fsspec.filesystem("http", **options).info(url)
+    assert SECRET in _shown(raw.value)
+
+    # ...but nothing distkit raises, logs or shows does, on the fetching rank or the waiting one.
+    main, other = ranks.run(download_with_secret, url, str(tmp_path / "d.bin"), world_size=2)
+    assert "401" in main and "***" in main and "MainProcessError" in other
+    assert SECRET not in main and SECRET not in other
+
+    _make_tree(tmp_path / "out")
+    handle = distkit.upload(tmp_path / "out", url, background=True, storage_options=options)
+    with pytest.raises(Exception) as failed:
+        handle.wait(timeout_s=60)
+    assert "***" in str(failed.value) and SECRET not in _shown(failed.value)
+    assert SECRET not in repr(handle)
+
+    password_url = f"http://user:{SECRET}@127.0.0.1:{http_server.port}/missing.bin?sig={SECRET}"
+    with pytest.raises(Exception) as missing:
+        distkit.download(password_url, tmp_path / "m.bin")
+    assert SECRET not in _shown(missing.value)
+    assert caplog.text and SECRET not in caplog.text
+
+
+# -- the example ----------------------------------------------------------------------------------
+
+
+def test_example_runs_under_torchrun_with_a_local_http_server(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in LAUNCHER_VARS:
+        env.pop(name, None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "examples" / "prepare_and_upload.py"),
+            "--workdir",
+            str(tmp_path),
+            "--http",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "uploaded" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "uploaded").iterdir()) == ["metrics.json", "model.pt"]
