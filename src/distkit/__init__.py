@@ -61,6 +61,8 @@ _LAZY: dict[str, str] = {
     "save_checkpoint": "distkit.checkpoint",
     "load_checkpoint": "distkit.checkpoint",
     "CheckpointManager": "distkit.checkpoint",
+    "CheckpointCorruptError": "distkit.checkpoint",
+    "ResumeState": "distkit.checkpoint",
     # seeding and data
     "capture_rng_state": "distkit.seeding",
     "restore_rng_state": "distkit.seeding",

@@ -1,0 +1,69 @@
+"""A checkpoint writer that stops at a chosen point of its last save, so a test can SIGKILL it there.
+
+Usage: python killed_writer.py DIRECTORY {write,delete,exit} FIRST_STEP LAST_STEP
+
+Saves steps FIRST..LAST with ``CheckpointManager(DIRECTORY, keep_last=2)``; the state of step ``s`` is
+``{"w": torch.full((512, 512), s), "step": s}`` (1 MiB of tensor data, so state.pt is written in
+several chunks). During the save of LAST it prints ``PAUSED`` and sleeps at the chosen point:
+
+- ``write``: after the first chunk of tensor data went into state.pt (mid-save, before the commit);
+- ``delete``: after the new checkpoint was committed and retention un-committed an old one, before
+  that old one's files are deleted;
+- ``exit``: no pause; the saves are asynchronous and the script returns right after the last
+  ``save()`` without ``wait()``, so only interpreter exit waits for the writer.
+
+The pause is injected by wrapping distkit's own private steps in this process only; everything the
+test then inspects was done by the real code.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import distkit.checkpoint as ckpt
+
+# Longer than any test runs: the parent kills this process, it never wakes up.
+_SLEEP_S = 600.0
+
+
+def _pause() -> None:
+    print("PAUSED", flush=True)
+    time.sleep(_SLEEP_S)
+
+
+def main() -> None:
+    directory, point, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    armed = False
+    if point == "write":
+        write = ckpt._ChecksumWriter.write
+
+        def write_then_pause(self: ckpt._ChecksumWriter, data: object) -> int:
+            n = write(self, data)
+            if armed and n >= ckpt._PARALLEL_BYTES:
+                _pause()
+            return n
+
+        ckpt._ChecksumWriter.write = write_then_pause  # type: ignore[method-assign]
+    elif point == "delete":
+        purge = ckpt._purge
+
+        def pause_before_purge(path: str) -> None:
+            if armed:
+                _pause()
+            purge(path)
+
+        ckpt._purge = pause_before_purge
+    elif point != "exit":
+        raise SystemExit(f"unknown pause point {point!r}; use 'write', 'delete' or 'exit'")
+    manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=point == "exit")
+    for step in range(first, last + 1):
+        armed = step == last
+        manager.save(step, {"w": torch.full((512, 512), float(step)), "step": step})
+    print("RETURNED", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,676 @@
+"""Checkpoints on real files, fsspec's memory filesystem and 2-rank gloo groups: atomic commits,
+safe loads, retention, async saves, exact resume, and writers killed mid-save."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import distkit
+from distkit.checkpoint import CheckpointCorruptError, ResumeState
+
+WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_writer.py"
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    # fsspec's memory filesystem is one store per process: give each test its own root.
+    root = f"memory://ckpt-{uuid.uuid4().hex[:12]}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def read_bytes(path: str) -> bytes:
+    with fsspec.open(path, "rb") as f:
+        return f.read()
+
+
+def committed_steps(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("step_*") if (p / "manifest.json").exists())
+
+
+def damage_one_byte(file: pathlib.Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact round trip and resume
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def make_training() -> dict[str, object]:
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+        "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
+        "progress": ResumeState(),
+    }
+
+
+def train_steps(parts: dict[str, object], steps: int) -> list[float]:
+    # Every source of randomness a loop uses: torch (data, dropout), python and numpy (augmentation).
+    model, optimizer = parts["model"], parts["optimizer"]
+    scheduler, scaler, progress = parts["scheduler"], parts["scaler"], parts["progress"]
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8) * (1 + random.random()) + float(np.random.rand())
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        progress.global_step += 1
+        progress.batches_in_epoch += 1
+        losses.append(loss.item())
+    return losses
+
+
+def test_round_trip_of_model_optimizer_scheduler_scaler_rng_and_position_is_exact(tmp_path) -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    original = make_training()
+    train_steps(original, 3)
+    original["progress"].epoch = 1
+    distkit.save_checkpoint(tmp_path / "ckpt", original, step=3)
+    expected = train_steps(original, 4)
+
+    resumed = make_training()  # fresh objects, different initial weights
+    torch.manual_seed(123)  # and different RNG streams until the load
+    random.seed(123)
+    np.random.seed(123)
+    distkit.load_checkpoint(tmp_path / "ckpt", resumed)
+    assert (resumed["progress"].epoch, resumed["progress"].global_step) == (1, 3)
+    assert resumed["progress"].batches_in_epoch == 3
+    assert resumed["scheduler"].last_epoch == 3 and resumed["scaler"].get_scale() > 0
+    assert train_steps(resumed, 4) == expected
+    for name in ("model", "optimizer", "scheduler", "scaler"):
+        torch.testing.assert_close(resumed[name].state_dict(), original[name].state_dict(), rtol=0, atol=0)
+
+
+def test_manifest_records_step_world_size_versions_metrics_and_checksum(tmp_path) -> None:
+    path = distkit.save_checkpoint(tmp_path / "c", {"w": torch.ones(3)}, step=7, metrics={"loss": 0.5})
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    data = (tmp_path / "c" / "state.pt").read_bytes()
+    assert path == str(tmp_path / "c")
+    assert manifest["step"] == 7 and manifest["world_size"] == 1
+    assert manifest["torch_version"] == torch.__version__
+    assert manifest["distkit_version"] == distkit.__version__
+    assert manifest["metrics"] == {"loss": 0.5} and manifest["keys"] == ["w"]
+    assert manifest["files"] == {"state.pt": {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}}
+
+
+def test_files_are_readable_by_the_owner_only_unless_file_mode_says_otherwise(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "private", {"w": torch.ones(1)})
+    distkit.save_checkpoint(tmp_path / "shared", {"w": torch.ones(1)}, file_mode=0o640)
+    for name, file_mode, dir_mode in (("private", 0o600, 0o700), ("shared", 0o640, 0o750)):
+        assert (tmp_path / name).stat().st_mode & 0o777 == dir_mode
+        for file in ("state.pt", "manifest.json"):
+            assert (tmp_path / name / file).stat().st_mode & 0o777 == file_mode
+    with pytest.raises(ValueError, match="file_mode"):
+        distkit.save_checkpoint(tmp_path / "x", {"w": torch.ones(1)}, file_mode=0o444)
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_no_temporary_files(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "c", {"w": torch.zeros(2)})
+    distkit.save_checkpoint(tmp_path / "c", {"w": torch.ones(2)})
+    assert torch.equal(distkit.load_checkpoint(tmp_path / "c")["w"], torch.ones(2))
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_saving_over_a_directory_of_other_files_is_refused(tmp_path) -> None:
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"notes\.txt"):
+        distkit.save_checkpoint(tmp_path / "precious", {"w": torch.ones(1)})
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_plain_values_and_tensors_are_restored_into_the_given_mapping(tmp_path) -> None:
+    buffer = torch.zeros(3)
+    distkit.save_checkpoint(tmp_path / "c", {"buffer": torch.arange(3.0), "epoch": 4, "names": ["a"]})
+    state = {"buffer": buffer, "epoch": 0, "names": []}
+    loaded = distkit.load_checkpoint(tmp_path / "c", state)
+    assert state["buffer"] is buffer and torch.equal(buffer, torch.arange(3.0))
+    assert state["epoch"] == 4 and state["names"] == ["a"] and loaded["epoch"] == 4
+
+
+def test_missing_entries_raise_when_strict_and_are_skipped_with_a_warning_otherwise(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
+    with pytest.raises(distkit.DistkitError, match=r"no entries \['optimizer'\].*holds \['model'\]"):
+        distkit.load_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2), "optimizer": torch.zeros(1)})
+    target = torch.zeros(1)
+    with pytest.warns(UserWarning, match=r"no entries \['optimizer'\]"):
+        distkit.load_checkpoint(tmp_path / "c", {"optimizer": target}, strict=False)
+    assert torch.equal(target, torch.zeros(1))
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrappers: DDP / DataParallel / torch.compile prefixes
+
+
+def test_dataparallel_and_compiled_modules_are_saved_without_wrapper_prefixes(tmp_path) -> None:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    inner[0] = torch.compile(inner[0], backend="eager")  # a compiled submodule: "0._orig_mod.weight"
+    wrapped = nn.DataParallel(torch.compile(inner, backend="eager"))
+    distkit.save_checkpoint(tmp_path / "c", {"model": wrapped})
+    saved = torch.load(tmp_path / "c" / "state.pt", weights_only=True)["model"]
+    assert list(saved) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    distkit.load_checkpoint(tmp_path / "c", {"model": plain})
+    compiled_again = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), backend="eager")
+    distkit.load_checkpoint(tmp_path / "c", {"model": compiled_again})
+    for target in (plain, compiled_again._orig_mod):
+        assert torch.equal(target[0].weight, inner[0]._orig_mod.weight)
+        assert torch.equal(target[1].bias, inner[1].bias)
+
+
+def test_state_dicts_saved_with_a_module_prefix_load_into_a_plain_module(tmp_path) -> None:
+    source = nn.Linear(2, 2)
+    legacy = OrderedDict((f"module.{k}", v) for k, v in source.state_dict().items())
+    distkit.save_checkpoint(tmp_path / "c", {"model": legacy})
+    target = nn.Linear(2, 2)
+    distkit.load_checkpoint(tmp_path / "c", {"model": target})
+    assert torch.equal(target.weight, source.weight)
+
+
+# --------------------------------------------------------------------------------------------------
+# Safety and integrity
+
+
+class Payload:
+    """Runs code when unpickled: what a malicious checkpoint carries."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (pathlib.Path.touch, (self.marker,))
+
+
+def test_checkpoint_with_malicious_reduce_payload_is_refused_and_the_payload_never_runs(tmp_path) -> None:
+    marker = tmp_path / "payload_ran"
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    # What an attacker ships: a valid manifest (checksums prove integrity, not trust) and a pickle.
+    torch.save({"model": Payload(marker)}, ckpt / "state.pt")
+    data = (ckpt / "state.pt").read_bytes()
+    manifest = {"format": "distkit-checkpoint", "step": 1, "files": {}}
+    manifest["files"]["state.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+    with pytest.raises(distkit.DistkitError, match=r"refused to load .*state\.pt.*weights_only"):
+        distkit.load_checkpoint(ckpt, {"model": nn.Linear(1, 1)})
+    shutil.copytree(ckpt, tmp_path / "run" / "step_000000001")
+    with pytest.raises(distkit.DistkitError, match="refused to load"):
+        distkit.CheckpointManager(tmp_path / "run").restore({"model": nn.Linear(1, 1)})
+    assert not marker.exists()
+    # The payload is live: an unsafe load runs it. Without this the test above could not fail.
+    torch.load(ckpt / "state.pt", weights_only=False)
+    assert marker.exists()
+
+
+def test_values_that_a_safe_load_would_refuse_are_rejected_at_save_naming_the_key(tmp_path) -> None:
+    with pytest.raises(TypeError, match=r"state\['extra'\]\['arrays'\]\[0\] is a numpy\.ndarray"):
+        distkit.save_checkpoint(tmp_path / "c", {"extra": {"arrays": [np.zeros(2)]}})
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_damaged_byte_is_detected_before_unpickling_and_the_file_is_named(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "c", {"w": torch.randn(1000)})
+    damage_one_byte(tmp_path / "c" / "state.pt")
+    with pytest.raises(CheckpointCorruptError, match=r"c/state\.pt has CRC32 [0-9a-f]{8}, the manifest says"):
+        distkit.load_checkpoint(tmp_path / "c")
+
+
+def test_truncated_state_is_reported_with_both_sizes(memory_root) -> None:
+    distkit.save_checkpoint(f"{memory_root}/c", {"w": torch.randn(1000)})
+    fs = fsspec.filesystem("memory")
+    data = fs.cat_file(f"{memory_root}/c/state.pt")
+    fs.pipe_file(f"{memory_root}/c/state.pt", data[:100])
+    with pytest.raises(
+        CheckpointCorruptError, match=rf"state\.pt is 100 bytes, the manifest says {len(data)}"
+    ):
+        distkit.load_checkpoint(f"{memory_root}/c")
+
+
+# --------------------------------------------------------------------------------------------------
+# CheckpointManager: latest, best, retention, fallbacks
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_truncated_newest_checkpoint_makes_latest_fall_back_with_a_warning_naming_it(
+    where, tmp_path, memory_root
+) -> None:
+    directory = str(tmp_path) if where == "local" else memory_root
+    manager = distkit.CheckpointManager(directory, keep_last=3)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((100,), float(step))})
+    newest = f"{directory}/step_000000002/state.pt"
+    with fsspec.open(newest, "rb") as f:
+        data = f.read()
+    with fsspec.open(newest, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+    with pytest.warns(UserWarning, match=r"skipping corrupt checkpoint .*step_000000002.*truncated"):
+        assert manager.latest() == f"{directory}/step_000000001"
+    state = {"w": torch.zeros(100)}
+    with pytest.warns(UserWarning, match="step_000000002"):
+        assert manager.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(100))
+
+
+def test_partial_object_store_checkpoint_without_manifest_is_skipped_with_a_warning(memory_root) -> None:
+    manager = distkit.CheckpointManager(memory_root)
+    manager.save(5, {"w": torch.ones(2)})
+    # What a writer killed between its two puts leaves on an object store: state.pt, no manifest.
+    fsspec.filesystem("memory").pipe_file(f"{memory_root}/step_000000009/state.pt", b"partial")
+    with pytest.warns(UserWarning, match=r"partial checkpoint .*step_000000009.*no manifest\.json"):
+        assert manager.latest() == f"{memory_root}/step_000000005"
+
+
+def test_restore_falls_back_past_a_damaged_checkpoint_and_returns_none_when_nothing_is_left(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=None)
+    assert manager.restore({"w": torch.zeros(1)}) is None
+    assert manager.latest() is None
+    for step in (10, 20):
+        manager.save(step, {"w": torch.full((50,), float(step))})
+    damage_one_byte(tmp_path / "step_000000020" / "state.pt")
+    state = {"w": torch.zeros(50)}
+    with pytest.warns(UserWarning, match=r"step_000000020.*CRC32"):
+        assert manager.restore(state) == 10
+    assert torch.equal(state["w"], torch.full((50,), 10.0))
+
+
+def test_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_commit(memory_root) -> None:
+    manager = distkit.CheckpointManager(memory_root, keep_last=2, keep_best=1, monitor="loss", mode="min")
+    losses = {1: 0.9, 2: 0.2, 3: 0.5, 4: 0.7, 5: 0.6}
+    for step, loss in losses.items():
+        manager.save(step, {"w": torch.ones(1)}, metrics={"loss": loss})
+    fs = fsspec.filesystem("memory")
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(memory_root, detail=False))
+    assert names == ["step_000000002", "step_000000004", "step_000000005"]
+    assert manager.best() == f"{memory_root}/step_000000002"
+    assert manager.latest() == f"{memory_root}/step_000000005"
+
+
+def test_best_follows_mode_and_ignores_steps_saved_without_the_metric(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=None, monitor="acc", mode="max")
+    assert manager.best() is None
+    manager.save(1, {"w": torch.ones(1)}, metrics={"acc": 0.5})
+    manager.save(2, {"w": torch.ones(1)}, metrics={"acc": 0.8})
+    manager.save(3, {"w": torch.ones(1)})
+    assert manager.best() == str(tmp_path / "step_000000002")
+    with pytest.raises(ValueError, match=r"metrics has no 'acc'.*\['loss'\]"):
+        manager.save(4, {"w": torch.ones(1)}, metrics={"loss": 1.0})
+    with pytest.raises(ValueError, match="best\\(\\) needs a monitor"):
+        distkit.CheckpointManager(tmp_path).best()
+
+
+def test_retention_never_deletes_the_checkpoint_it_just_saved(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(100, {"w": torch.ones(1)})
+    manager.save(5, {"w": torch.zeros(1)})  # a restarted run in the same directory: ranked last by step
+    assert committed_steps(tmp_path) == ["step_000000005", "step_000000100"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Async saves
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_async_save_writes_the_same_bytes_as_a_sync_save_although_training_goes_on(
+    where, tmp_path, memory_root
+) -> None:
+    torch.manual_seed(0)
+    parts = make_training()
+    train_steps(parts, 2)
+    shared = torch.arange(10.0)
+    state = {**parts, "views": [shared, shared[2:5]], "meta": {"lr": [0.1, 0.2]}}
+    distkit.save_checkpoint(tmp_path / "sync", state, step=2)
+
+    directory = str(tmp_path / "managed") if where == "local" else memory_root
+    manager = distkit.CheckpointManager(directory, async_save=True)
+    path = manager.save(2, state)
+    train_steps(parts, 1)  # changes weights and optimizer state in place while the writer runs
+    shared.add_(1)
+    manager.wait()
+    assert read_bytes(f"{path}/state.pt") == (tmp_path / "sync" / "state.pt").read_bytes()
+    loaded = distkit.load_checkpoint(path)
+    assert loaded["views"][1].untyped_storage().data_ptr() == loaded["views"][0].untyped_storage().data_ptr()
+
+
+def test_background_failure_is_raised_at_the_next_wait_and_the_manager_recovers(tmp_path) -> None:
+    directory = tmp_path / "ckpts"
+    manager = distkit.CheckpointManager(directory, async_save=True)
+    manager.save(1, {"w": torch.ones(1)})
+    manager.wait()
+    shutil.rmtree(directory)
+    directory.write_text("a file where the directory was")
+    manager.save(2, {"w": torch.ones(1)})
+    with pytest.raises(
+        distkit.DistkitError, match=r"background save of step 2 .* failed: NotADirectoryError"
+    ):
+        manager.wait()
+    manager.wait()  # reported once
+    directory.unlink()
+    manager.save(3, {"w": torch.ones(1)})
+    manager.save(4, {"w": torch.ones(1)})  # waits for step 3 first: one save in flight
+    manager.wait()
+    assert committed_steps(directory) == ["step_000000003", "step_000000004"]
+
+
+def test_background_failure_is_raised_at_the_next_save(tmp_path) -> None:
+    directory = tmp_path / "ckpts"
+    directory.write_text("not a directory")
+    manager = distkit.CheckpointManager(directory, async_save=True)
+    manager.save(1, {"w": torch.ones(1)})
+    with pytest.raises(distkit.DistkitError, match="background save of step 1"):
+        manager.save(2, {"w": torch.ones(1)})
+
+
+def test_interpreter_exit_waits_for_the_background_save(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(WRITER), str(tmp_path), "exit", "1", "1"],
+        capture_output=True,
+        timeout=120,
+        env=writer_env(),
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"RETURNED" in done.stdout
+    assert committed_steps(tmp_path) == ["step_000000001"]
+    assert distkit.load_checkpoint(tmp_path / "step_000000001")["step"] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Writers killed with SIGKILL
+
+
+def writer_env() -> dict[str, str]:
+    # The writer is a world of one whatever launched pytest.
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def run_until_paused(directory: pathlib.Path, point: str, first: int, last: int) -> None:
+    """Start the writer, wait until it pauses at ``point``, then SIGKILL it."""
+    proc = subprocess.Popen(
+        [sys.executable, str(WRITER), str(directory), point, str(first), str(last)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=writer_env(),
+    )
+    assert proc.stdout is not None
+    output = b""
+    # The child imports torch (seconds on a loaded machine) and saves a few MiB.
+    deadline = time.monotonic() + 120
+    try:
+        while b"PAUSED" not in output:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([proc.stdout], [], [], max(remaining, 0))
+            if not ready:
+                pytest.fail(f"writer did not pause within 120 s; output:\n{output.decode()}")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                pytest.fail(f"writer exited with {proc.wait()} before pausing; output:\n{output.decode()}")
+            output += chunk
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_checkpoints(tmp_path) -> None:
+    # Steps 1-3 committed (keep_last=2 leaves 2 and 3); killed while writing step 4's state.pt.
+    run_until_paused(tmp_path, "write", 1, 4)
+    assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
+    assert any(p.name.startswith(".step_000000004.distkit-tmp-") for p in tmp_path.iterdir()), (
+        "the writer should have died inside the save of step 4"
+    )
+    manager = distkit.CheckpointManager(tmp_path, keep_last=2)
+    with pytest.warns(UserWarning, match=r"partial checkpoint .*step_000000004"):
+        latest = manager.latest()
+    assert latest == str(tmp_path / "step_000000003")
+    loaded = distkit.load_checkpoint(latest)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((512, 512), 3.0))
+
+    # Step 4 committed, then killed after retention un-committed step 2 but before deleting it.
+    run_until_paused(tmp_path, "delete", 4, 4)
+    assert committed_steps(tmp_path) == ["step_000000003", "step_000000004"]
+    assert any(p.name.startswith(".step_000000002.distkit-tmp-del-") for p in tmp_path.iterdir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # leftovers at or below the chosen step are not worth a warning
+        assert distkit.load_checkpoint(manager.latest())["step"] == 4
+
+    manager.save(5, {"w": torch.zeros(1), "step": 5})  # retention also clears the leftovers
+    assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
+
+
+# --------------------------------------------------------------------------------------------------
+# World size changes
+
+
+def save_resume_state(directory: str) -> list[float]:
+    torch.manual_seed(10 + distkit.get_rank())
+    distkit.save_checkpoint(directory, {"progress": ResumeState(epoch=2, global_step=40, batches_in_epoch=5)})
+    return torch.rand(2).tolist()
+
+
+def test_resuming_on_a_different_world_size_reseeds_deterministically_with_a_warning(tmp_path, ranks) -> None:
+    directory = str(tmp_path / "two_ranks")
+    after_save = ranks.run(save_resume_state, directory, world_size=2)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(999)
+        progress = ResumeState()
+        with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and this job has 1.*reseeded"):
+            distkit.load_checkpoint(directory, {"progress": progress})
+        assert (progress.epoch, progress.global_step, progress.batches_in_epoch) == (2, 40, 5)
+        draws.append(torch.rand(2).tolist())
+    assert draws[0] == draws[1]  # deterministic
+    assert draws[0] not in after_save  # neither rank's stream was silently reused
+
+
+# --------------------------------------------------------------------------------------------------
+# Two ranks on gloo
+
+
+def resume_each_ranks_own_rng(directory: str) -> tuple[list[float], list[float], float, float]:
+    rank = distkit.get_rank()
+    torch.manual_seed(100 + rank)
+    random.seed(100 + rank)
+    np.random.seed(100 + rank)
+    distkit.save_checkpoint(directory, {"progress": ResumeState(global_step=9)})
+    expected = [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    progress = ResumeState()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same world size: no reseed warning
+        distkit.load_checkpoint(directory, {"progress": progress})
+    got = [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+    return expected, got, progress.global_step, rank
+
+
+def test_each_rank_gets_back_its_own_rng_streams(tmp_path, ranks) -> None:
+    results = ranks.run(resume_each_ranks_own_rng, str(tmp_path / "c"), world_size=2)
+    for expected, got, global_step, _ in results:
+        assert got == expected and global_step == 9
+    assert results[0][0] != results[1][0]
+
+
+def ddp_round_trips(directory: str) -> tuple[list[str], bool, bool]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    ddp = DDP(model)
+    ddp(torch.randn(3, 4) + distkit.get_rank()).sum().backward()
+    torch.optim.SGD(ddp.parameters(), lr=0.1).step()
+    distkit.save_checkpoint(f"{directory}/from_ddp", {"model": ddp})
+    # Collective: rank 1 returns only after the commit, so it can read the files at once.
+    keys = list(torch.load(f"{directory}/from_ddp/state.pt", weights_only=True)["model"])
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    distkit.load_checkpoint(f"{directory}/from_ddp", {"model": plain})
+    into_plain = all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+
+    torch.manual_seed(1)
+    source = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    distkit.save_checkpoint(f"{directory}/plain", {"model": source})
+    target = DDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    distkit.load_checkpoint(f"{directory}/plain", {"model": target})
+    into_ddp = all(
+        torch.equal(a, b) for a, b in zip(target.module.parameters(), source.parameters(), strict=True)
+    )
+    return keys, into_plain, into_ddp
+
+
+def test_saved_under_ddp_loads_into_a_plain_module_and_the_reverse(tmp_path, ranks) -> None:
+    for keys, into_plain, into_ddp in ranks.run(ddp_round_trips, str(tmp_path), world_size=2):
+        assert keys == ["0.weight", "0.bias", "1.weight", "1.bias"]
+        assert into_plain and into_ddp
+
+
+def save_into_a_file(path: str) -> tuple[str, str]:
+    try:
+        distkit.save_checkpoint(path, {"w": torch.ones(1)}, timeout_s=60)
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+def test_a_failure_on_rank_0_raises_on_every_rank_instead_of_hanging(tmp_path, ranks) -> None:
+    (tmp_path / "blocker").write_text("a file, so no directory can be made under it")
+    (kind0, _), (kind1, message1) = ranks.run(
+        save_into_a_file, str(tmp_path / "blocker" / "ckpt"), world_size=2, timeout_s=60
+    )
+    assert kind0 in ("FileExistsError", "NotADirectoryError")
+    assert kind1 == "MainProcessError"
+    assert message1.startswith("[rank 1/2] saving checkpoint ") and kind0 in message1
+
+
+def async_saves_on_two_ranks(directory: str) -> tuple[list[str], int | None, float, tuple[str, str]]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    manager = distkit.CheckpointManager(directory, keep_last=2, async_save=True, timeout_s=60)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        manager.save(step, {"model": model, "progress": ResumeState(global_step=step)})
+    manager.wait()
+    committed = sorted(os.listdir(directory))
+    target = nn.Linear(4, 4)
+    restored = manager.restore({"model": target, "progress": ResumeState()})
+
+    if distkit.get_rank() == 0:
+        shutil.rmtree(directory)
+        pathlib.Path(directory).write_text("a file where the directory was")
+    distkit.barrier(timeout_s=60)
+    manager.save(4, {"model": model})
+    try:
+        manager.wait()
+        outcome = ("no error", "")
+    except distkit.DistkitError as err:
+        outcome = (type(err).__name__, str(err))
+    return committed, restored, target.weight[0, 0].item(), outcome
+
+
+def test_async_saves_commit_on_rank_0_and_a_background_failure_reaches_every_rank(tmp_path, ranks) -> None:
+    results = ranks.run(async_saves_on_two_ranks, str(tmp_path / "ckpts"), world_size=2, timeout_s=90)
+    for committed, restored, weight, _ in results:
+        assert committed == ["step_000000002", "step_000000003"]
+        assert restored == 3 and weight == 3.0
+    (kind0, message0), (kind1, message1) = (r[3] for r in results)
+    assert kind0 == "DistkitError" and "background save of step 4" in message0
+    assert kind1 == "MainProcessError" and message1.startswith("[rank 1/2] saving checkpoint ")
+    assert "NotADirectoryError" in message1
+
+
+def restore_that_fails_on_rank_1(directory: str) -> str:
+    manager = distkit.CheckpointManager(directory, timeout_s=60)
+    manager.save(1, {"model": nn.Linear(2, 2)})
+    target = nn.Linear(2, 2) if distkit.get_rank() == 0 else nn.Linear(3, 3)
+    try:
+        manager.restore({"model": target})
+    except distkit.DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_restore_failing_on_one_rank_raises_on_every_rank(tmp_path, ranks) -> None:
+    message0, message1 = ranks.run(restore_that_fails_on_rank_1, str(tmp_path), world_size=2, timeout_s=60)
+    assert message0.startswith("[rank 0/2] restoring from ") and "failed on rank(s) [1]" in message0
+    assert message1.startswith("could not restore state['model'] into Linear: Error(s) in loading")
+
+
+def late_rank_0_then_per_rank_saves(directory: str) -> tuple[str, int, str]:
+    rank = distkit.get_rank()
+    if rank == 0:
+        time.sleep(3)  # reports long after rank 1's deadline
+        distkit.save_checkpoint(f"{directory}/late", {"w": torch.ones(1)})
+        outcome = "rank 0 saved late"
+    else:
+        try:
+            distkit.save_checkpoint(f"{directory}/late", {"w": torch.ones(1)}, timeout_s=1)
+            outcome = "no error"
+        except distkit.CollectiveTimeoutError as err:
+            outcome = f"{err.missing_ranks} {err}"
+    distkit.barrier(timeout_s=60)
+    own = distkit.save_checkpoint(f"{directory}/rank{rank}", {"rank": rank}, collective=False)
+    try:
+        distkit.save_checkpoint(f"{directory}/x", {"progress": ResumeState()}, collective=False)
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    return outcome, distkit.load_checkpoint(own)["rank"], refused
+
+
+def test_waiting_ranks_time_out_naming_rank_0_and_non_collective_saves_are_per_rank(tmp_path, ranks) -> None:
+    (late0, own0, refused0), (late1, own1, _) = ranks.run(
+        late_rank_0_then_per_rank_saves, str(tmp_path), world_size=2, timeout_s=60
+    )
+    assert late0 == "rank 0 saved late"
+    assert late1.startswith("[0] [rank 1/2] waited 1 s for rank 0 to commit checkpoint ")
+    assert (own0, own1) == (0, 1)
+    assert "collective=True" in refused0
