@@ -86,6 +86,15 @@ _LAZY: dict[str, str] = {
     # trainer
     "Trainer": "distkit.trainer",
     "Callback": "distkit.trainer",
+    "DDPStrategy": "distkit.trainer",
+    "ModelCheckpoint": "distkit.trainer",
+    "EarlyStopping": "distkit.trainer",
+    "LearningRateMonitor": "distkit.trainer",
+    "ThroughputMonitor": "distkit.trainer",
+    "Logger": "distkit.trainer",
+    "CSVLogger": "distkit.trainer",
+    "TensorBoardLogger": "distkit.trainer",
+    "accuracy": "distkit.trainer",
 }
 
 

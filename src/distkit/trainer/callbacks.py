@@ -1,0 +1,377 @@
+"""Hooks into :meth:`distkit.Trainer.fit`, and the built-in callbacks.
+
+Every hook runs on every rank, in the order the callbacks were given (``ModelCheckpoint`` last, so
+the checkpoint it writes holds the other callbacks' state after their own hooks ran). Metrics
+handed to hooks are already reduced across ranks and are the same on every rank, so decisions taken
+from them (stop, save) agree without further communication.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distkit import runtime
+
+if TYPE_CHECKING:
+    from distkit.trainer.trainer import Trainer
+
+__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ThroughputMonitor"]
+
+
+class Callback:
+    """Base class of Trainer callbacks: override the hooks you need; each does nothing by default.
+
+    Hooks run on every rank (a hook that writes files should check ``trainer.is_main_process``).
+    Metrics passed to hooks are reduced across ranks and identical on every rank. A callback that
+    sets ``trainer.should_stop = True`` stops training on every rank at the next optimizer step (at
+    the latest at the end of the epoch). Callbacks with state implement :meth:`state_dict` and
+    :meth:`load_state_dict`; checkpoints then carry it.
+
+    Example:
+        >>> import distkit
+        >>> class StopAtLoss(distkit.Callback):
+        ...     def on_log(self, trainer, metrics):
+        ...         if metrics["train_loss"] < 0.1:
+        ...             trainer.should_stop = True
+        >>> trainer = distkit.Trainer(callbacks=[StopAtLoss()], max_epochs=10)
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """After set-up (model wrapped, loaders made, checkpoint restored), before the first step."""
+
+    def on_train_epoch_start(self, trainer: Trainer) -> None:
+        """At the start of every training epoch (``trainer.current_epoch``)."""
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        """After every optimizer step (taken or skipped); ``trainer.global_step`` counts it.
+
+        Args:
+            trainer: The trainer.
+            loss: This rank's loss of the step (the mean over its accumulated micro-batches),
+                detached and not reduced across ranks.
+        """
+
+    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """At every logging step (``log_every_n_steps``), before the loggers write ``metrics``.
+
+        Callbacks may add entries to ``metrics`` (the learning-rate and throughput monitors do);
+        added values are not reduced across ranks, and the loggers write the main process's dict.
+        """
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After validation; ``metrics`` holds the exact validation metrics (``val_*``)."""
+
+    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """At the end of every epoch, with the epoch's training and validation metrics."""
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        """When ``fit`` finishes (also after an early stop or a preemption)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints; plain numbers, strings and lists. Local."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Local."""
+
+
+class ModelCheckpoint(Callback):
+    """Save resumable checkpoints through :class:`distkit.CheckpointManager`.
+
+    Collective: the Trainer runs it on every rank; the manager writes from the main process. A
+    checkpoint holds the model, optimizer, scheduler, gradient scaler, every rank's RNG state, the
+    data loader's position and the callbacks' state, so ``Trainer(resume="auto")`` continues exactly
+    where it stopped. The Trainer adds one (in ``<default_root_dir>/checkpoints``, every epoch,
+    last 3 kept) unless you pass your own or ``enable_checkpointing=False``.
+
+    Args:
+        dirpath: Directory of the checkpoints; ``None`` means ``<default_root_dir>/checkpoints``.
+        monitor: Metric that ranks the epoch-end checkpoints for ``keep_best`` (e.g. ``"val_loss"``);
+            mid-epoch ones (``every_n_steps``) are kept by ``keep_last`` only.
+        mode: ``"min"`` or ``"max"``: which way ``monitor`` improves.
+        keep_last: How many of the newest checkpoints to keep.
+        keep_best: How many of the best checkpoints by ``monitor`` to keep as well.
+        every_n_epochs: Save at the end of every n-th epoch; ``0`` turns epoch saves off.
+        every_n_steps: Also save every n optimizer steps (mid-epoch, resumable exactly).
+        async_save: Write in the background; training waits only for the copy to CPU memory.
+
+    Attributes:
+        manager: The :class:`distkit.CheckpointManager`, once ``fit`` has started.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import ModelCheckpoint
+        >>> checkpoint = ModelCheckpoint("runs/ckpt", monitor="val_loss", keep_best=1, every_n_steps=500)
+        >>> trainer = distkit.Trainer(callbacks=[checkpoint], resume="auto", max_epochs=10)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        monitor: str | None = None,
+        mode: str = "min",
+        keep_last: int = 3,
+        keep_best: int | None = None,
+        every_n_epochs: int = 1,
+        every_n_steps: int | None = None,
+        async_save: bool = False,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}.")
+        if keep_best is not None and monitor is None:
+            raise ValueError(
+                f"keep_best={keep_best} ranks checkpoints by a metric; pass monitor='val_loss' too."
+            )
+        if every_n_epochs < 0:
+            raise ValueError(f"every_n_epochs must be >= 0, got {every_n_epochs}.")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.monitor = monitor
+        self.mode = mode
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.every_n_epochs = every_n_epochs
+        self.every_n_steps = every_n_steps
+        self.async_save = async_save
+        self.manager: Any = None
+        self.directory: Path | None = None
+        self._last_saved_step: int | None = None
+
+    def setup(self, trainer: Trainer) -> None:
+        """Make the manager (called by the Trainer before it restores a checkpoint). Local."""
+        from distkit.checkpoint import CheckpointManager
+
+        self.directory = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+        self.manager = CheckpointManager(
+            self.directory,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            monitor=self.monitor,
+            mode=self.mode,
+            async_save=self.async_save,
+        )
+
+    def save(self, trainer: Trainer, metrics: Mapping[str, float] | None = None) -> None:
+        """Save a checkpoint at ``trainer.global_step`` (once per step). Collective: every rank."""
+        if trainer.global_step == self._last_saved_step:
+            return
+        self._last_saved_step = trainer.global_step
+        self.manager.save(trainer.global_step, trainer.checkpoint_state(), metrics=metrics)
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        # A resumed run starts at the restored checkpoint's step: no need to write it again.
+        self._last_saved_step = trainer.global_step
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            # Unranked: the latest validation metrics describe an older model than this one.
+            self.save(trainer, None)
+
+    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer, self._monitored(metrics))
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.manager.wait()
+
+    def _monitored(self, metrics: Mapping[str, float]) -> dict[str, float] | None:
+        # A checkpoint ranks for keep_best only when the monitored metric exists at that step.
+        if self.monitor is None or self.monitor not in metrics:
+            return None
+        return dict(metrics)
+
+
+class EarlyStopping(Callback):
+    """Stop when a metric has stopped improving; every rank stops at the same epoch.
+
+    Local decision on identical inputs: the metric comes reduced across ranks, so every rank
+    counts the same epochs without improvement (the Trainer also agrees on stopping in one
+    collective per epoch).
+
+    Args:
+        monitor: Metric name, e.g. ``"val_loss"`` or ``"val_acc"``.
+        mode: ``"min"`` or ``"max"``.
+        patience: Epochs without improvement before stopping.
+        min_delta: Smallest change that counts as an improvement.
+        stop_on_nonfinite: Also stop when the metric is ``nan`` or infinite.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import EarlyStopping
+        >>> trainer = distkit.Trainer(callbacks=[EarlyStopping("val_loss", patience=3)], max_epochs=100)
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        *,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        stop_on_nonfinite: bool = True,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}.")
+        if patience < 0:
+            raise ValueError(f"patience must be >= 0, got {patience}.")
+        if min_delta < 0:
+            raise ValueError(f"min_delta must be >= 0, got {min_delta}.")
+        self.monitor = monitor
+        self.mode = mode
+        self.patience = patience
+        self.min_delta = min_delta
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.best: float | None = None
+        self.wait = 0
+        self.stopped_epoch: int | None = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if trainer.global_step == 0:  # a resumed run keeps the restored counters
+            self.best, self.wait, self.stopped_epoch = None, 0, None
+
+    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if self.monitor not in metrics:
+            if (trainer.current_epoch + 1) % trainer.check_val_every_n_epoch:
+                return  # no validation this epoch (check_val_every_n_epoch > 1)
+            raise KeyError(
+                f"EarlyStopping monitors {self.monitor!r}, which is not among this epoch's metrics "
+                f"{sorted(metrics)}. Pass a val_data to fit() for 'val_*' metrics, or monitor one of these."
+            )
+        value = metrics[self.monitor]
+        if not math.isfinite(value):
+            if self.stop_on_nonfinite:
+                self._stop(trainer)
+            return
+        better = (
+            self.best is None
+            or (self.mode == "min" and value < self.best - self.min_delta)
+            or (self.mode == "max" and value > self.best + self.min_delta)
+        )
+        if better:
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self._stop(trainer)
+
+    def _stop(self, trainer: Trainer) -> None:
+        self.stopped_epoch = trainer.current_epoch
+        trainer.should_stop = True
+        runtime.get_logger("distkit.trainer", main_process_only=True).info(
+            "early stopping at epoch %d: %s has not improved for %d epoch(s) (best %s)",
+            trainer.current_epoch,
+            self.monitor,
+            self.wait,
+            self.best,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.wait, self.stopped_epoch = state["best"], state["wait"], state["stopped_epoch"]
+
+
+class LearningRateMonitor(Callback):
+    """Log the learning rate at every logging step: ``lr``, or ``lr/group<i>`` for several groups.
+
+    Local: the learning rate is the same on every rank.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import LearningRateMonitor
+        >>> trainer = distkit.Trainer(callbacks=[LearningRateMonitor()], max_epochs=1)
+    """
+
+    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        groups = trainer.optimizer.param_groups
+        if len(groups) == 1:
+            metrics["lr"] = float(groups[0]["lr"])
+            return
+        for index, group in enumerate(groups):
+            metrics[f"lr/group{index}"] = float(group["lr"])
+
+
+class ThroughputMonitor(Callback):
+    """Log training throughput at every logging step: ``samples_per_s`` (whole job) and ``steps_per_s``.
+
+    Local: measured on each rank over the optimizer steps since the previous logging step (time
+    spent in validation and checkpoints between epochs is not counted); the loggers write the main
+    process's figures. Samples are ``steps x effective batch size``.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import ThroughputMonitor
+        >>> trainer = distkit.Trainer(callbacks=[ThroughputMonitor()], max_epochs=1)
+    """
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._steps = 0
+
+    def on_train_epoch_start(self, trainer: Trainer) -> None:
+        self._start, self._steps = time.perf_counter(), 0
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self._steps += 1
+
+    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._start
+        if self._steps and elapsed > 0:
+            metrics["steps_per_s"] = self._steps / elapsed
+            metrics["samples_per_s"] = self._steps * trainer.effective_batch_size / elapsed
+        self._start, self._steps = now, 0
+
+
+class _ProgressBar(Callback):
+    """A tqdm bar per epoch on the main process, showing the latest logged losses and accuracies."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def on_train_epoch_start(self, trainer: Trainer) -> None:
+        from tqdm.auto import tqdm
+
+        done = -(-trainer._batches_done // trainer.accumulate_grad_batches)
+        self._bar = tqdm(
+            total=trainer.steps_per_epoch,
+            initial=done,
+            desc=f"epoch {trainer.current_epoch}",
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self._bar.update(1)
+
+    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._show(metrics)
+
+    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._show(metrics)
+        self.close()
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        self.close()
+
+    def _show(self, metrics: Mapping[str, float]) -> None:
+        if self._bar is not None:
+            shown = {k: f"{v:.4g}" for k, v in metrics.items() if k.endswith(("loss", "acc", "loss_epoch"))}
+            self._bar.set_postfix(shown, refresh=False)
+
+    def close(self) -> None:
+        """Close the bar (also when fit fails)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,174 @@
+"""Where the Trainer writes metrics: a CSV file by default, TensorBoard as an extra.
+
+The Trainer calls loggers on the main process only, with values already reduced across ranks, so a
+logger never communicates and never sees a rank's partial view.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from distkit._fs import atomic_open
+
+__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+
+
+class Logger:
+    """Base class of the Trainer's loggers: override what you need.
+
+    Local: the Trainer calls every method on the main process only, with metrics already reduced
+    across ranks; nothing here communicates.
+
+    Example:
+        >>> class PrintLogger(Logger):
+        ...     def log_metrics(self, metrics, step):
+        ...         print(step, dict(metrics))
+        >>> PrintLogger().log_metrics({"loss": 0.5}, step=10)
+        10 {'loss': 0.5}
+    """
+
+    def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        """Called once at the start of ``fit``.
+
+        Args:
+            save_dir: The Trainer's ``default_root_dir``, for loggers given no directory.
+            resume_step: The step training resumes from, or ``None`` for a fresh run: records
+                after it belong to the interrupted attempt and should be dropped.
+        """
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's configuration (the Trainer's settings), once per ``fit``."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Record metrics reduced across ranks, at optimizer step ``step``."""
+
+    def finalize(self) -> None:
+        """Flush and close; called at the end of ``fit``, also when it fails."""
+
+
+class CSVLogger(Logger):
+    """Metrics as rows of a CSV file: one row per logging step or epoch end, one column per name.
+
+    Local (main process only). The file is rewritten atomically whenever a new metric name adds a
+    column, so a reader never sees a half-written header; ``hparams.json`` beside it holds the run's
+    configuration. A fresh ``fit`` starts a new file; a resumed one keeps the rows up to the resumed
+    step and drops the rest (they belong to the interrupted attempt).
+
+    Args:
+        save_dir: Directory of the files; ``None`` means the Trainer's ``default_root_dir``.
+        filename: Name of the CSV file.
+
+    Attributes:
+        path: The CSV file, once ``fit`` has started.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import CSVLogger
+        >>> trainer = distkit.Trainer(logger=CSVLogger("runs/mlp"), max_epochs=1)
+    """
+
+    def __init__(
+        self, save_dir: str | os.PathLike[str] | None = None, *, filename: str = "metrics.csv"
+    ) -> None:
+        if not filename or os.sep in filename:
+            raise ValueError(f"filename must be a plain file name, got {filename!r}.")
+        self.save_dir = None if save_dir is None else Path(save_dir)
+        self.filename = filename
+        self.path: Path | None = None
+        self._columns: list[str] = []
+        self._rows: list[dict[str, Any]] = []
+
+    def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        directory = self.save_dir or save_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / self.filename
+        self._rows = []
+        self._columns = ["step"]
+        if resume_step is not None and self.path.exists():
+            with open(self.path, newline="") as handle:
+                reader = csv.DictReader(handle)
+                self._columns = list(reader.fieldnames or ["step"])
+                self._rows = [row for row in reader if int(row["step"]) <= resume_step]
+        self._rewrite()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        assert self.path is not None, "setup() runs first"  # the Trainer's call order
+        with atomic_open(self.path.parent / "hparams.json", mode=0o644) as handle:
+            handle.write(json.dumps(dict(params), indent=2, sort_keys=True, default=str).encode())
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        assert self.path is not None, "setup() runs first"
+        row: dict[str, Any] = {"step": step}
+        row.update({name: _format(value) for name, value in metrics.items()})
+        self._rows.append(row)
+        new = [name for name in row if name not in self._columns]
+        if new:
+            self._columns.extend(new)
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=self._columns).writerow(row)
+
+    def _rewrite(self) -> None:
+        assert self.path is not None
+        with atomic_open(self.path, mode=0o644) as raw:
+            text = io.StringIO()
+            writer = csv.DictWriter(text, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(self._rows)
+            raw.write(text.getvalue().encode())
+
+
+def _format(value: float) -> Any:
+    # Integral values (epoch, counts) read back as ints; repr() keeps every float digit.
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
+class TensorBoardLogger(Logger):
+    """Metrics as TensorBoard scalars; needs ``tensorboard`` (``pip install 'distkit[tensorboard]'``).
+
+    Local (main process only). A resumed ``fit`` purges the events after the resumed step.
+
+    Args:
+        save_dir: Directory of the event files; ``None`` means ``<default_root_dir>/tensorboard``.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import CSVLogger, TensorBoardLogger
+        >>> trainer = distkit.Trainer(logger=[CSVLogger(), TensorBoardLogger()], max_epochs=1)
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
+        self.save_dir = None if save_dir is None else Path(save_dir)
+        self._writer: Any = None
+
+    def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError(
+                "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
+            ) from err
+        directory = self.save_dir or save_dir / "tensorboard"
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=resume_step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self._writer.add_text("hparams", json.dumps(dict(params), indent=2, sort_keys=True, default=str))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, global_step=step)
+
+    def finalize(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,90 @@
+"""Numeric precision of training: autocast and, for fp16, the gradient scaler, behind one interface.
+
+- ``"32"``: float32 throughout.
+- ``"bf16-mixed"``: the forward pass under ``torch.autocast(dtype=torch.bfloat16)``, on CPU or
+  CUDA; no scaler (bfloat16 has float32's exponent range, so gradients do not underflow).
+- ``"16-mixed"``: the forward pass under ``torch.autocast("cuda", dtype=torch.float16)`` and the
+  loss scaled by ``torch.amp.GradScaler``; CUDA only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from distkit.errors import DistkitError
+
+__all__: list[str] = []
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed")
+
+
+def check_precision(precision: object) -> str:
+    """Validate the ``precision`` argument; ``32`` (an int) is accepted for ``"32"``. Local."""
+    value = "32" if precision == 32 and not isinstance(precision, bool) else precision
+    if value not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {list(PRECISIONS)}, got {precision!r}. 'bf16-mixed' works on CPU "
+            f"and recent GPUs; '16-mixed' (fp16 with a gradient scaler) needs CUDA."
+        )
+    if value == "16-mixed" and not torch.cuda.is_available():
+        # Running fp32 instead would hide a configuration error behind a slower, different run.
+        raise DistkitError(
+            "precision='16-mixed' needs CUDA (fp16 autocast with torch.amp.GradScaler), but CUDA is not "
+            "available on this machine. Use precision='bf16-mixed' on CPU, or '32'."
+        )
+    return str(value)
+
+
+class Precision:
+    """Autocast, backward and optimizer step for one precision on one device.
+
+    With fp16 the loss is scaled before backward; :meth:`unscale` (before clipping) and
+    :meth:`step` unscale each optimizer step's gradients exactly once between them.
+    """
+
+    def __init__(self, precision: str, device: torch.device) -> None:
+        self.precision = precision
+        self.device = device
+        dtypes = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+        self.dtype: torch.dtype | None = dtypes.get(precision)
+        if precision == "16-mixed" and device.type != "cuda":
+            raise DistkitError(
+                f"precision='16-mixed' needs a CUDA device, but this rank trains on {device}; use "
+                f"precision='bf16-mixed' on CPU."
+            )
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of the forward pass."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the scaler under fp16."""
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def loss_scale(self) -> float:
+        """The factor the current step's losses were multiplied by before backward (1 unless fp16)."""
+        return 1.0 if self.scaler is None else float(self.scaler.get_scale())
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the loss scale before clipping (fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``; under fp16 the scaler skips steps with inf gradients and adapts."""
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()

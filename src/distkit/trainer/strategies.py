@@ -1,0 +1,261 @@
+"""Where the model runs: one device, ``nn.DataParallel`` over several GPUs, or DDP over processes.
+
+The strategy is resolved once per :meth:`distkit.Trainer.fit` from the ``strategy`` and ``devices``
+the user gave and from the job this process is in (a launcher's variables, or none). The result,
+a :class:`_Plan`, says how many processes run, which device each uses, and whether ``fit`` must
+start the processes itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distkit import runtime
+from distkit.env import detect_env
+from distkit.errors import DistkitError
+
+__all__ = ["DDPStrategy"]
+
+# Run ids of the jobs fit() starts itself (launch.py), so the start-up report can say so.
+LOCAL_RUN_PREFIX = "distkit-fit-"
+
+_NAMES = ("auto", "single", "dp", "ddp")
+
+
+@dataclass(frozen=True)
+class DDPStrategy:
+    """DistributedDataParallel with its options, for ``Trainer(strategy=DDPStrategy(...))``.
+
+    Local: configuration only. ``strategy="ddp"`` is ``DDPStrategy()``. The DDP options pass
+    through to :class:`torch.nn.parallel.DistributedDataParallel` unchanged; in a world of one (one
+    process, no launcher) the model is not wrapped and they have no effect.
+
+    Attributes:
+        find_unused_parameters: Let DDP find parameters that got no gradient in a step (costs a
+            graph traversal every step; needed when a forward pass skips some layers).
+        static_graph: Promise that the set of used parameters never changes between steps.
+        gradient_as_bucket_view: Gradients are views into DDP's buckets (saves one copy and memory).
+        bucket_cap_mb: Size of the gradient buckets in MiB; ``None`` is torch's default (25).
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL on CUDA, else gloo).
+        timeout_s: Deadline of every collective; ``None`` is :data:`distkit.DEFAULT_TIMEOUT_S`.
+
+    Example:
+        >>> import distkit
+        >>> trainer = distkit.Trainer(strategy=DDPStrategy(find_unused_parameters=True), max_steps=1)
+    """
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float | None = None
+    backend: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 or None, got {self.bucket_cap_mb}.")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}.")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}.")
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments given to ``DistributedDataParallel``."""
+        kwargs: dict[str, Any] = {
+            "find_unused_parameters": self.find_unused_parameters,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return kwargs
+
+
+def check_strategy(strategy: object) -> str | DDPStrategy:
+    """Validate the ``strategy`` argument of the Trainer (local, no device probing)."""
+    if isinstance(strategy, DDPStrategy):
+        return strategy
+    if isinstance(strategy, str) and strategy in _NAMES:
+        return strategy
+    raise ValueError(
+        f"strategy must be one of {list(_NAMES)} or a DDPStrategy(...), got {strategy!r}. Use 'ddp' for "
+        f"several processes (CPU or GPU), 'dp' for nn.DataParallel over the GPUs of one process."
+    )
+
+
+def check_devices(devices: object) -> int | str | tuple[int, ...]:
+    """Validate ``devices``: ``"auto"``, a count >= 1, or a non-empty list of distinct CUDA indices."""
+    if devices == "auto":
+        return "auto"
+    if isinstance(devices, bool):
+        raise TypeError(f"devices must be 'auto', an int or a list of ints, got {devices!r}.")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1, got {devices}.")
+        return devices
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        indices = tuple(devices)
+        if not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            raise TypeError(f"devices must be a non-empty list of CUDA device indices, got {devices!r}.")
+        if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
+            raise ValueError(f"devices must list distinct CUDA indices >= 0, got {list(indices)}.")
+        return indices
+    raise TypeError(f"devices must be 'auto', an int or a list of CUDA indices, got {devices!r}.")
+
+
+def check_cuda_indices(indices: Sequence[int], what: str) -> None:
+    """Raise unless CUDA is available and every index names a visible device."""
+    if not torch.cuda.is_available():
+        raise DistkitError(
+            f"{what} needs CUDA, but CUDA is not available on this machine (torch "
+            f"{torch.__version__}). On CPU use strategy='ddp' with devices=<number of processes>."
+        )
+    count = torch.cuda.device_count()
+    missing = [i for i in indices if i >= count]
+    if missing:
+        raise DistkitError(
+            f"devices={list(indices)} names CUDA device(s) {missing}, but this process sees {count} "
+            f"(indices 0..{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)."
+        )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one ``fit`` runs: what every process does and whether ``fit`` starts the processes."""
+
+    # "single", "dp" or "ddp".
+    kind: str
+    # Processes on this node (to start, or already running) and in the whole job.
+    local_processes: int
+    world_size: int
+    # Start `local_processes` processes through torch's elastic launcher (no launcher around us).
+    launch: bool
+    # Who started this process: "none", "torchrun", "slurm", ..., or "existing group".
+    launcher: str
+    # Explicit CUDA indices: DP's devices, single's device, or DDP's device per local rank. Empty:
+    # the device distkit.init() picks (cuda:<local_rank> when CUDA is available, else the CPU).
+    cuda_indices: tuple[int, ...] = ()
+    ddp: DDPStrategy = field(default_factory=DDPStrategy)
+
+    def device(self) -> torch.device:
+        """This process's device (DP: the first of its devices, where outputs are gathered)."""
+        if not self.cuda_indices:
+            return runtime.get_device()
+        index = self.cuda_indices[runtime.get_local_rank()] if self.kind == "ddp" else self.cuda_indices[0]
+        return torch.device("cuda", index)
+
+
+def _job() -> tuple[str, int, int]:
+    """``(launcher, world_size, local_world_size)`` of the job this process already is in."""
+    if dist.is_available() and dist.is_initialized():
+        env = runtime.get_env()
+        launcher = "existing group" if env.launcher == "none" else env.launcher
+    else:
+        env = detect_env()
+        launcher = env.launcher
+    if os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(LOCAL_RUN_PREFIX):
+        launcher = "Trainer.fit (local processes)"
+    return launcher, env.world_size, env.local_world_size
+
+
+def _auto_name(devices: int | str | tuple[int, ...], world_size: int, in_job: bool) -> str:
+    if world_size > 1 or (isinstance(devices, tuple) and len(devices) > 1):
+        return "ddp"
+    if isinstance(devices, int) and devices > 1:
+        return "ddp"
+    if devices == "auto" and not in_job and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return "ddp"
+    return "single"
+
+
+def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -> _Plan:
+    """Turn the Trainer's ``strategy``/``devices`` and this process's job into a :class:`_Plan`.
+
+    Local: reads the environment and counts CUDA devices.
+    """
+    launcher, world_size, local_world_size = _job()
+    in_job = launcher != "none"
+    ddp = strategy if isinstance(strategy, DDPStrategy) else DDPStrategy()
+    name = "ddp" if isinstance(strategy, DDPStrategy) else strategy
+    if name == "auto":
+        name = _auto_name(devices, world_size, in_job)
+
+    if name in ("single", "dp") and world_size > 1:
+        raise DistkitError(
+            f"strategy={name!r} runs in one process, but this process is rank {runtime.get_rank()} of a "
+            f"{world_size}-process job started by {launcher}. Use strategy='ddp' under a launcher, or "
+            f"start the script with plain `python` for strategy={name!r}."
+        )
+
+    if name == "single":
+        if (isinstance(devices, int) and devices != 1) or (isinstance(devices, tuple) and len(devices) != 1):
+            shown = list(devices) if isinstance(devices, tuple) else devices
+            raise ValueError(
+                f"strategy='single' uses one device, got devices={shown}; use strategy='ddp' "
+                f"(processes) or 'dp' (GPUs of one process) for more."
+            )
+        if isinstance(devices, tuple):
+            check_cuda_indices(devices, f"devices={list(devices)}")
+            return _Plan("single", 1, 1, False, launcher, devices)
+        return _Plan("single", 1, 1, False, launcher)
+
+    if name == "dp":
+        # nn.DataParallel silently runs the plain module on the CPU when CUDA is absent
+        # (FACTS.md): refuse instead of pretending to run in parallel.
+        check_cuda_indices((), "strategy='dp' (nn.DataParallel)")
+        if isinstance(devices, tuple):
+            indices = devices
+        else:
+            indices = tuple(range(torch.cuda.device_count() if devices == "auto" else int(devices)))
+        check_cuda_indices(indices, "strategy='dp' (nn.DataParallel)")
+        return _Plan("dp", 1, 1, False, launcher, indices)
+
+    if in_job:
+        # Under a launcher each process drives one device; `devices` can only confirm that.
+        count = len(devices) if isinstance(devices, tuple) else devices
+        if count != "auto" and count != local_world_size:
+            raise DistkitError(
+                f"devices={list(devices) if isinstance(devices, tuple) else devices} but the {launcher} "
+                f"job runs {local_world_size} process(es) on this node, each on one device. Pass "
+                f"devices='auto', or start {count} processes per node (torchrun --nproc_per_node={count})."
+            )
+        if isinstance(devices, tuple):
+            check_cuda_indices(devices, f"devices={list(devices)}")
+            return _Plan("ddp", local_world_size, world_size, False, launcher, devices, ddp)
+        return _Plan("ddp", local_world_size, world_size, False, launcher, (), ddp)
+
+    if isinstance(devices, tuple):
+        check_cuda_indices(devices, f"devices={list(devices)}")
+        count, indices = len(devices), devices
+    elif devices == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+        indices = ()
+    else:
+        count, indices = int(devices), ()
+        if torch.cuda.is_available() and count > torch.cuda.device_count():
+            raise DistkitError(
+                f"devices={count} asks for {count} processes, one per GPU, but this machine has "
+                f"{torch.cuda.device_count()} GPU(s); pass devices<={torch.cuda.device_count()}."
+            )
+    return _Plan("ddp", count, count, count > 1, launcher, indices, ddp)
+
+
+def wrap(module: nn.Module, plan: _Plan, device: torch.device) -> nn.Module:
+    """Move ``module`` to ``device`` and wrap it for the plan: DDP, DataParallel, or nothing.
+
+    Collective for DDP (its constructor broadcasts rank 0's parameters): call on every rank.
+    """
+    module.to(device)
+    if plan.kind == "dp":
+        return nn.DataParallel(module, device_ids=list(plan.cuda_indices), output_device=device)
+    if plan.kind == "ddp" and runtime.get_world_size() > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **plan.ddp.ddp_kwargs())
+    return module

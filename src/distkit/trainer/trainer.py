@@ -1,0 +1,1249 @@
+"""The Trainer: one training loop for one device, ``nn.DataParallel`` and DDP, built from distkit's
+public helpers only (a user who outgrows it can read :meth:`Trainer.fit` and write the same loop).
+
+One optimizer step, in every strategy::
+
+    for each micro-batch (no_sync on all but the last under DDP):
+        with autocast:  total = wrapped(batch)      # loss_fn(model(x), y) or training_step(...)
+        backward(total / accumulate_grad_batches)   # through the GradScaler under fp16
+    read the probe's gradient                       # the step's loss averaged over ranks
+    if it is finite: unscale once, clip, step, schedule; else agree and skip (or stop)
+
+The probe is a zero scalar parameter added to the wrapped module, and ``total`` is
+``loss + probe * loss.detach()``: the same value as the loss and the same gradients for the model,
+while the probe's gradient is the loss itself. DDP averages it with the model's gradients in the
+same all-reduce, so after backward every rank holds the job's mean loss, and a non-finite loss on
+any rank makes it non-finite on every rank: all ranks skip the same steps without an extra
+collective. A rank that must stop (SIGTERM, ``should_stop``) feeds ``inf`` instead, and only then
+do the ranks exchange one small message to learn why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distkit import runtime
+from distkit.checkpoint import ResumeState, load_checkpoint
+from distkit.collectives import all_gather_object, any_rank, reduce_metrics
+from distkit.data import DistributedLoader, distributed_dataloader
+from distkit.errors import DistkitError
+from distkit.seeding import seed_everything
+from distkit.trainer import launch, strategies
+from distkit.trainer.callbacks import Callback, ModelCheckpoint, _ProgressBar
+from distkit.trainer.loggers import CSVLogger, Logger
+from distkit.trainer.precision import Precision, check_precision
+from distkit.trainer.strategies import DDPStrategy
+
+__all__ = ["Trainer"]
+
+_log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+
+class _Preempted(SystemExit):
+    """Raised by ``fit`` after a preemption signal was handled: checkpoint saved, exit code 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+class _StepModule(nn.Module):
+    """What the strategy wraps: the user's module and loss, plus the probe (see the module docs)."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, *, per_device: bool):
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+        self.has_training_step = callable(getattr(module, "training_step", None))
+        # Registered after the user's parameters, so DDP's buckets hold those in their usual order.
+        # Never stepped by the optimizer (it is not among the user's parameters), so it stays 0.
+        self.probe = nn.Parameter(torch.zeros(()))
+        # True while this rank wants every rank to stop at the next optimizer step.
+        self.request_stop = False
+        # Under nn.DataParallel every device returns 1-element vectors, which it concatenates.
+        self.per_device = per_device
+        # The batch and loss of a plain model are checked on the first step only (hot path).
+        self.checked = False
+
+    def forward(self, batch: Any, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        # _modules/_parameters directly: nn.Module.__getattr__ costs a microsecond per lookup.
+        module = self._modules["module"]
+        extras: dict[str, Any] = _NO_EXTRAS
+        if self.has_training_step:
+            loss, extras = _split_step_output(module.training_step(batch, batch_idx))
+        else:
+            if not self.checked:
+                _split_batch(batch)
+            inputs, target = batch
+            # A function sits in __dict__, a loss module (nn.CrossEntropyLoss()) in _modules.
+            loss_fn = self.__dict__.get("loss_fn") or self._modules["loss_fn"]
+            loss = loss_fn(module(inputs), target)  # type: ignore[misc]
+            if not self.checked:
+                _check_loss(loss)
+                self.checked = True
+        detached = loss.detach()
+        code = detached + math.inf if self.request_stop else detached
+        # loss + 0 * loss: the loss's value and gradients, and d(total)/d(probe) = the loss.
+        total = torch.addcmul(loss, self._parameters["probe"], code)
+        if self.per_device:
+            # nn.DataParallel gathers tensors only: numbers travel as 1-element tensors too.
+            extras = {k: torch.as_tensor(v, device=loss.device).reshape(1) for k, v in extras.items()}
+            return total.reshape(1), detached.reshape(1), extras
+        return total, detached, extras
+
+    # Called once per micro-batch by the Trainer, DDP or DataParallel, and never hooked: skip
+    # nn.Module.__call__'s hook dispatch (about as costly as the probe itself on a small model).
+    __call__ = forward
+
+
+_NO_EXTRAS: dict[str, Any] = {}
+
+
+def _mean_over_devices(
+    total: torch.Tensor, loss: torch.Tensor, extras: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    # nn.DataParallel concatenated one value per GPU; the batch's value is their mean.
+    return total.mean(), loss.mean(), {k: v.mean() for k, v in extras.items()}
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+        raise TypeError(
+            f"loss_fn must return a one-element tensor (the batch mean), got {type(loss).__name__}"
+            f"{shape}; use reduction='mean'."
+        )
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"with a plain model the batches must be (inputs, target) pairs, got {type(batch).__name__}"
+        f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For other batches "
+        f"give the model a training_step(batch, batch_idx) method that returns the loss."
+    )
+
+
+def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    if isinstance(output, torch.Tensor):
+        loss, extras = output, {}
+    elif isinstance(output, Mapping) and "loss" in output:
+        loss = output["loss"]
+        extras = {
+            k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items() if k != "loss"
+        }
+    else:
+        raise TypeError(
+            f"training_step() must return the loss tensor or a dict with a 'loss' entry, got "
+            f"{type(output).__name__}."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError(
+            "training_step() must return a one-element loss tensor that requires grad (computed from "
+            "the model's output, not detached or converted with .item())."
+        )
+    return loss.reshape(()), extras
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch  # loaders yield CPU tensors; .to() would only cost dispatch time
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(item, device) for item in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, Mapping):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, Mapping) and batch:
+        return _batch_size(next(iter(batch.values())))
+    raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch).__name__}.")
+
+
+def _metric_value(name: str, value: Any, batch_size: int) -> tuple[torch.Tensor | float, float]:
+    """A validation value as a ``(sum, count)`` pair: pairs pass, per-sample tensors are summed,
+    scalars are batch means weighted by the batch size."""
+    if isinstance(value, tuple) and len(value) == 2:
+        total, count = value
+        return (total.detach().double() if isinstance(total, torch.Tensor) else float(total)), float(count)
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.numel() == 1:
+            return value.double().reshape(()) * batch_size, float(batch_size)
+        return value.double().sum(), float(value.numel())
+    if isinstance(value, (int, float)):
+        return float(value) * batch_size, float(batch_size)
+    raise TypeError(
+        f"validation metric {name!r} must be a tensor (per sample, or the batch mean), a number or a "
+        f"(sum, count) pair, got {type(value).__name__}."
+    )
+
+
+class _Counters:
+    """The Trainer's counters that ResumeState does not hold."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.trainer.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.skipped_steps = int(state["skipped_steps"])
+
+
+class _CallbackStates:
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = callbacks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for i, cb in enumerate(self.callbacks):
+            saved = state.get(f"{i}:{type(cb).__name__}")
+            if saved:
+                cb.load_state_dict(saved)
+
+
+class Trainer:
+    """Train a model on one device, over the GPUs of one process (DP), or over many processes (DDP).
+
+    ``fit`` runs the same loop everywhere. Outside any launcher, ``strategy="ddp"`` with
+    ``devices=N`` starts N local processes itself (through torch's elastic launcher, as
+    ``torchrun --standalone`` does); under ``torchrun``, ``srun`` or ``mpirun`` it joins the job it
+    is in. The model is a plain ``nn.Module`` trained with ``loss_fn(model(inputs), target)``, or a
+    module with ``training_step(batch, batch_idx)`` (and optionally ``validation_step``) for
+    custom logic.
+
+    Local to construct (it validates its arguments, and refuses ``"dp"`` or ``"16-mixed"``
+    without CUDA); :meth:`fit` is collective. See ``docs/trainer.md``.
+
+    Args:
+        strategy: ``"auto"`` (DDP under a multi-process launcher or for several devices, else one
+            device), ``"single"``, ``"dp"`` (``nn.DataParallel``, CUDA only), ``"ddp"``, or a
+            :class:`DDPStrategy` carrying DDP's options.
+        devices: ``"auto"``, a count (DDP: processes, one device each; DP: GPUs), or a list of
+            CUDA indices (as ``--gpu-ids 0,1,3``).
+        precision: ``"32"``, ``"bf16-mixed"`` (CPU or CUDA) or ``"16-mixed"`` (CUDA, with a
+            ``GradScaler``).
+        max_epochs: Epochs to train; at least one of ``max_epochs`` and ``max_steps`` is needed.
+        max_steps: Optimizer steps to train (stops mid-epoch if reached first).
+        batch_size: Samples per batch on each rank (DP: on each GPU).
+        val_batch_size: Batch size of validation; ``batch_size`` when ``None``.
+        num_workers: DataLoader worker processes per rank.
+        accumulate_grad_batches: Micro-batches per optimizer step (``no_sync`` on all but the last
+            under DDP, each loss scaled by ``1/N``; the last step of an epoch may have fewer).
+        gradient_clip_val: Clip gradients to this norm (or value) before each optimizer step.
+        gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+        log_every_n_steps: Optimizer steps between logged training metrics (at most one
+            collective per logging step).
+        check_val_every_n_epoch: Epochs between validations.
+        callbacks: :class:`Callback` objects (hooks run on every rank, in order).
+        logger: ``True`` for a :class:`CSVLogger` in ``default_root_dir``, ``False`` for none, or
+            :class:`Logger` objects. Loggers write on the main process only.
+        enable_checkpointing: Add a :class:`ModelCheckpoint` (every epoch, last 3 kept) unless one
+            is among ``callbacks``.
+        enable_progress_bar: A tqdm bar on the main process; ``None``: when tqdm is installed and
+            stderr is a terminal.
+        default_root_dir: Directory of logs and checkpoints.
+        resume: ``"auto"`` to continue from the latest valid checkpoint when there is one, a
+            checkpoint path, or ``None`` to start fresh.
+        seed: ``distkit.seed_everything(seed)`` at the start of ``fit``, and the seed of the
+            loaders ``fit`` makes; ``None`` leaves the RNGs alone and the loaders on distkit's
+            default seed (``seed_everything``'s, else 0).
+        max_consecutive_nonfinite: Consecutive optimizer steps with a non-finite loss (skipped on
+            every rank) after which ``fit`` raises.
+
+    Attributes:
+        global_step: Optimizer steps taken or skipped so far.
+        current_epoch: The epoch being trained (0-based); after ``fit``, the completed epochs.
+        should_stop: Set to ``True`` (e.g. from a callback) to stop on every rank at the next step.
+        callback_metrics: The latest logged metrics, reduced across ranks.
+        skipped_steps: Steps skipped because a loss was non-finite on some rank.
+
+    Raises:
+        ValueError: An argument is out of range (the message names it).
+        DistkitError: ``strategy="dp"`` or ``precision="16-mixed"`` without CUDA.
+
+    Example:
+        >>> import distkit, torch
+        >>> trainer = distkit.Trainer(strategy="ddp", devices=2, precision="bf16-mixed", max_epochs=5)
+        >>> trainer.fit(model, train_dataset, val_dataset,
+        ...             optimizer=torch.optim.Adam(model.parameters(), 1e-3),
+        ...             loss_fn=torch.nn.functional.cross_entropy)  # doctest: +SKIP
+    """
+
+    # Configuration, fixed at construction.
+    strategy: str | DDPStrategy
+    devices: int | str | tuple[int, ...]
+    precision: str
+    max_epochs: int | None
+    max_steps: int | None
+    batch_size: int
+    val_batch_size: int
+    num_workers: int
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    log_every_n_steps: int
+    check_val_every_n_epoch: int
+    callbacks: list[Callback]
+    loggers: list[Logger]
+    enable_progress_bar: bool | None
+    default_root_dir: Path
+    resume: str | None
+    seed: int | None
+    max_consecutive_nonfinite: int
+
+    # What fit() set up: the user's objects, this process's device and the job's size.
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: Any
+    device: torch.device | None
+    world_size: int
+
+    # Progress (saved in checkpoints) and the latest reduced metrics. `should_stop` is a property
+    # over `_should_stop`, so that setting it also tells the other ranks.
+    global_step: int
+    current_epoch: int
+    skipped_steps: int
+    callback_metrics: dict[str, float]
+
+    def __init__(
+        self,
+        *,
+        strategy: str | DDPStrategy = "auto",
+        devices: int | str | Sequence[int] = "auto",
+        precision: str | int = "32",
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        log_every_n_steps: int = 50,
+        check_val_every_n_epoch: int = 1,
+        callbacks: Sequence[Callback] | None = None,
+        logger: bool | Logger | Sequence[Logger] = True,
+        enable_checkpointing: bool = True,
+        enable_progress_bar: bool | None = None,
+        default_root_dir: str | os.PathLike[str] = "runs",
+        resume: str | os.PathLike[str] | None = None,
+        seed: int | None = None,
+        max_consecutive_nonfinite: int = 5,
+    ) -> None:
+        self.strategy = strategies.check_strategy(strategy)
+        self.devices = strategies.check_devices(devices)
+        self.precision = check_precision(precision)
+        if self.strategy in ("dp", "single"):
+            # Fail here, not after the data is loaded: DP without CUDA would silently run the plain
+            # module (FACTS.md), and a device list needs the devices to exist.
+            strategies.resolve(self.strategy, self.devices)
+        if max_epochs is None and max_steps is None:
+            raise ValueError(
+                "give max_epochs or max_steps (or both): the Trainer needs to know when to stop."
+            )
+        for name, value, low, optional in (
+            ("max_epochs", max_epochs, 1, True),
+            ("max_steps", max_steps, 1, True),
+            ("batch_size", batch_size, 1, False),
+            ("val_batch_size", val_batch_size, 1, True),
+            ("num_workers", num_workers, 0, False),
+            ("accumulate_grad_batches", accumulate_grad_batches, 1, False),
+            ("log_every_n_steps", log_every_n_steps, 1, False),
+            ("check_val_every_n_epoch", check_val_every_n_epoch, 1, False),
+            ("max_consecutive_nonfinite", max_consecutive_nonfinite, 1, False),
+        ):
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}.")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}."
+            )
+        if resume is not None and not isinstance(resume, (str, os.PathLike)):
+            raise TypeError(f"resume must be 'auto', a checkpoint path or None, got {resume!r}.")
+
+        self.max_epochs = max_epochs
+        self.max_steps = max_steps
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.num_workers = num_workers
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.log_every_n_steps = log_every_n_steps
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.default_root_dir = Path(default_root_dir)
+        self.resume = None if resume is None else os.fspath(resume)
+        self.seed = seed
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.enable_progress_bar = enable_progress_bar
+
+        given = list(callbacks or [])
+        for cb in given:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be distkit.Callback objects, got {type(cb).__name__}.")
+        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in given):
+            given.append(ModelCheckpoint())
+        # Checkpoints last: what they save includes the other callbacks' state after their hooks.
+        self.callbacks = [cb for cb in given if not isinstance(cb, ModelCheckpoint)] + [
+            cb for cb in given if isinstance(cb, ModelCheckpoint)
+        ]
+        if logger is True:
+            self.loggers = [CSVLogger()]
+        elif logger is False or logger is None:
+            self.loggers = []
+        else:
+            self.loggers = [logger] if isinstance(logger, Logger) else list(logger)
+            for item in self.loggers:
+                if not isinstance(item, Logger):
+                    raise TypeError(
+                        f"logger must be True, False or Logger objects, got {type(item).__name__}."
+                    )
+
+        self.model = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.device = None
+        self.world_size = 1
+        self.global_step = 0
+        self.current_epoch = 0
+        self.skipped_steps = 0
+        self.callback_metrics = {}
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        # What one fit() sets up and uses; none of it is configuration.
+        self._should_stop = False
+        self._plan: strategies._Plan | None = None
+        self._step_module: _StepModule | None = None
+        self._probe: nn.Parameter | None = None  # the step module's probe, without Module.__getattr__
+        self._wrapped: nn.Module | None = None
+        self._precision: Precision | None = None
+        self._train_loader: Any = None
+        self._val_loader: Any = None
+        self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._metric_fns: dict[str, Callable[..., Any]] = {}
+        self._scheduler_interval = "step"
+        self._active_callbacks: list[Callback] = []
+        # The callbacks that override on_train_step_end, called every step.
+        self._step_end_callbacks: list[Callback] = []
+        # Batches per epoch on this rank, samples per loader batch, and data-parallel replicas
+        # (ranks, or GPUs under DP) for the effective batch size.
+        self._num_batches = 0
+        self._per_replica_batch = self.batch_size
+        self._replicas = 1
+        # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
+        self._batches_done = 0
+        self._epoch_finished = False
+        # Stop requests: SIGTERM seen on this rank; agreed by the job; handled (checkpoint saved).
+        self._preempt_requested = False
+        self._job_preempt = False
+        self._preempted = False
+        self._nonfinite_run: list[int] = []
+        # Training loss since the last logging step and over the epoch (job means, read from the
+        # probe), and extra training_step metrics as on-device sums.
+        self._window_sum = 0.0
+        self._window_count = 0
+        self._epoch_sum = 0.0
+        self._epoch_count = 0
+        self._extra_sums: dict[str, Any] = {}
+        self._extra_count = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Read-only views for callbacks
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether training stops; setting it to ``True`` stops every rank at the next optimizer step."""
+        return self._should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._should_stop = bool(value)
+        if value and self._step_module is not None:
+            self._step_module.request_stop = True
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0. Local."""
+        return runtime.is_main_process()
+
+    @property
+    def num_training_batches(self) -> int:
+        """Batches per epoch on each rank."""
+        return self._num_batches
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (the last one may accumulate fewer micro-batches)."""
+        return -(-self._num_batches // self.accumulate_grad_batches)
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step in the job: batch x replicas (ranks; GPUs under DP) x accumulation."""
+        return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
+
+    # ------------------------------------------------------------------------------------------
+    # fit
+
+    def fit(
+        self,
+        model: nn.Module,
+        train_data: Any,
+        val_data: Any = None,
+        *,
+        optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        lr_scheduler: Any = None,
+        scheduler_interval: str = "step",
+        metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
+    ) -> None:
+        """Train ``model`` on ``train_data``, validating on ``val_data`` every epoch.
+
+        Collective: call on every rank (under a launcher). Outside a launcher, with
+        ``strategy="ddp"`` and several devices, it starts the processes itself and, when they
+        finish, loads rank 0's final weights into ``model`` (the optimizer's state stays in the
+        workers' checkpoints). Without a process group (one device) it trains in this process.
+
+        Args:
+            model: A plain ``nn.Module`` (batches are ``(inputs, target)``, the loss is
+                ``loss_fn(model(inputs), target)``), or one with ``training_step(batch, batch_idx)``
+                returning the loss (or a dict with ``"loss"`` and more metrics to log) and optionally
+                ``validation_step(batch, batch_idx)`` returning a dict of metrics (numbers or
+                tensors as batch means, per-sample tensors, or ``(sum, count)`` pairs).
+            train_data: A map-style dataset (loaded with :func:`distkit.distributed_dataloader`:
+                this rank's share, seeded, resumable mid-epoch), or a DataLoader used as it is.
+            val_data: Like ``train_data``; loaded with ``evaluation=True`` so that every sample is
+                seen exactly once across ranks and validation metrics are exact.
+            optimizer: An optimizer over ``model``'s parameters, or a function making one from them.
+            loss_fn: ``loss_fn(output, target) -> loss`` (the batch mean) for plain models.
+            lr_scheduler: A scheduler of ``optimizer``, or a function making one from it.
+            scheduler_interval: Step the scheduler after every optimizer ``"step"`` or every ``"epoch"``.
+            metrics: Extra validation metrics of plain models: ``name -> fn(output, target)``
+                returning per-sample values (e.g. :func:`distkit.trainer.accuracy`); logged as
+                ``val_<name>`` beside ``val_loss``.
+
+        Raises:
+            DistkitError: The loss was non-finite for ``max_consecutive_nonfinite`` consecutive
+                steps (the message lists them), the strategy does not fit the job, or the objects
+                cannot be sent to the processes ``fit`` starts.
+            TypeError, ValueError: A misshapen argument (the message names it).
+            SystemExit: Code 0 after a SIGTERM on any rank: every rank finished the step it was in,
+                a checkpoint was saved, and the process should exit (a scheduler requeues it).
+
+        Example:
+            >>> trainer.fit(model, train_set, val_set, optimizer=lambda p: torch.optim.SGD(p, 0.1),
+            ...             loss_fn=torch.nn.functional.cross_entropy)  # doctest: +SKIP
+        """
+        if scheduler_interval not in ("step", "epoch"):
+            raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}.")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if loss_fn is None and not callable(getattr(model, "training_step", None)):
+            raise ValueError(
+                f"{type(model).__name__} has no training_step(batch, batch_idx); pass loss_fn=... "
+                f"(e.g. torch.nn.functional.cross_entropy) to train it as a plain model."
+            )
+        plan = strategies.resolve(self.strategy, self.devices)
+        if plan.launch:
+            kwargs = {
+                "optimizer": optimizer,
+                "loss_fn": loss_fn,
+                "lr_scheduler": lr_scheduler,
+                "scheduler_interval": scheduler_interval,
+                "metrics": metrics,
+            }
+            self._launch(plan, model, (train_data, val_data), kwargs)
+            return
+
+        self._reset_run_state()
+        self._plan = plan
+        self._loss_fn = loss_fn
+        self._metric_fns = dict(metrics or {})
+        self._scheduler_interval = scheduler_interval
+        self.global_step, self.current_epoch, self.skipped_steps = 0, 0, 0
+        self.callback_metrics = {}
+        try:
+            self._setup(model, train_data, val_data, optimizer, lr_scheduler)
+            # Only around the loop, where the flag is looked at every step: during set-up SIGTERM
+            # keeps its usual meaning.
+            previous_handler = self._install_preemption_handler()
+            try:
+                self._run()
+            finally:
+                self._restore_preemption_handler(previous_handler)
+        finally:
+            for cb in self._active_callbacks:
+                if isinstance(cb, _ProgressBar):
+                    cb.close()
+            if runtime.is_main_process():
+                for logger in self.loggers:
+                    logger.finalize()
+        if self._preempted:
+            raise _Preempted()
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up
+
+    def _setup(
+        self, model: nn.Module, train_data: Any, val_data: Any, optimizer: Any, lr_scheduler: Any
+    ) -> None:
+        plan = self._plan
+        assert plan is not None  # fit() sets it first
+        if plan.world_size > 1:
+            local_rank = runtime.get_env().local_rank
+            explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
+            runtime.init(plan.ddp.backend, timeout_s=plan.ddp.timeout_s, device=explicit)
+        self.world_size = runtime.get_world_size()
+        self.device = plan.device()
+        if self.seed is not None:
+            # workers=False: the Trainer hands the seed to its own loaders; the process-wide default
+            # seed of loaders made elsewhere stays as it was.
+            seed_everything(self.seed, workers=False)
+
+        self.model = model
+        self._precision = Precision(self.precision, self.device)
+        self._step_module = _StepModule(model, self._loss_fn, per_device=plan.kind == "dp")
+        self._probe = self._step_module.probe
+        self._wrapped = strategies.wrap(self._step_module, plan, self.device)
+        self.optimizer = self._make_optimizer(model, optimizer)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+        # Under DP one loader batch is split over the GPUs, each of which gets `batch_size`.
+        self._replicas = len(plan.cuda_indices) if plan.kind == "dp" else self.world_size
+        per_loader = self.batch_size * (self._replicas if plan.kind == "dp" else 1)
+        self._train_loader = self._make_loader(train_data, per_loader, evaluation=False)
+        self._per_replica_batch = (
+            self.batch_size
+            if self._makes_loader(train_data)
+            else int(getattr(self._train_loader, "batch_size", None) or self.batch_size)
+        )
+        val_per_loader = self.val_batch_size * (self._replicas if plan.kind == "dp" else 1)
+        self._val_loader = (
+            None if val_data is None else self._make_loader(val_data, val_per_loader, evaluation=True)
+        )
+        self._num_batches = len(self._train_loader)
+        if self._num_batches == 0:
+            raise ValueError(
+                "the training data gives no batch on this rank; use more data or a smaller batch."
+            )
+
+        self._active_callbacks = list(self.callbacks)
+        if self._progress_bar_wanted():
+            self._active_callbacks.insert(0, _ProgressBar())
+        checkpoint = self._checkpoint_callback()
+        if checkpoint is not None:
+            checkpoint.setup(self)
+        resumed_from = self._restore()
+        if runtime.is_main_process():
+            for logger in self.loggers:
+                logger.setup(self.default_root_dir, resumed_from)
+                logger.log_hyperparams(self._hyperparams())
+        runtime.rank_zero_print(self._report(resumed_from))
+        self._step_end_callbacks = [
+            cb
+            for cb in self._active_callbacks
+            if type(cb).on_train_step_end is not Callback.on_train_step_end
+        ]
+        for cb in self._active_callbacks:
+            cb.on_fit_start(self)
+
+    @staticmethod
+    def _makes_loader(data: Any) -> bool:
+        """Whether ``data`` is a dataset the Trainer loads itself (not a loader to use as it is)."""
+        return not isinstance(data, (torch.utils.data.DataLoader, DistributedLoader))
+
+    def _make_optimizer(self, model: nn.Module, optimizer: Any) -> torch.optim.Optimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer or a function of the parameters, got "
+                    f"{type(optimizer).__name__}."
+                )
+            optimizer = optimizer(model.parameters())
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"the optimizer factory returned {type(optimizer).__name__}, not an Optimizer."
+                )
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {foreign} parameter(s) that are not parameters of the model given "
+                f"to fit() (was it made for another copy of the model?). Make it from this model's "
+                f"parameters, or pass a function: optimizer=functools.partial(torch.optim.Adam, lr=1e-3)."
+            )
+        return optimizer
+
+    def _make_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is None:
+            return None
+        if not callable(getattr(lr_scheduler, "step", None)):
+            if not callable(lr_scheduler):
+                raise TypeError(
+                    f"lr_scheduler must be a scheduler or a function of the optimizer, got {lr_scheduler!r}."
+                )
+            lr_scheduler = lr_scheduler(self.optimizer)
+        if getattr(lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise ValueError(
+                "lr_scheduler belongs to another optimizer than the one given to fit(); make it from that "
+                "optimizer, or pass a function of the optimizer."
+            )
+        return lr_scheduler
+
+    def _make_loader(self, data: Any, batch_size: int, *, evaluation: bool) -> Any:
+        if self._makes_loader(data):
+            return distributed_dataloader(
+                data,
+                batch_size,
+                shuffle=not evaluation,
+                num_workers=self.num_workers,
+                seed=self.seed,
+                evaluation=evaluation,
+            )
+        sampler = getattr(data, "sampler", None)
+        if (
+            self.world_size > 1
+            and isinstance(data, torch.utils.data.DataLoader)
+            and not isinstance(sampler, torch.utils.data.DistributedSampler)
+            and not isinstance(data.dataset, torch.utils.data.IterableDataset)
+        ):
+            _log.warning(
+                "a DataLoader without a DistributedSampler was given to a %d-process fit(): every rank "
+                "loads the whole dataset. Pass the dataset itself to have it sharded.",
+                self.world_size,
+            )
+        return data
+
+    def _progress_bar_wanted(self) -> bool:
+        if not runtime.is_main_process() or self.enable_progress_bar is False:
+            return False
+        try:
+            import tqdm  # noqa: F401
+        except ImportError:
+            if self.enable_progress_bar:
+                raise ImportError(
+                    "enable_progress_bar=True needs tqdm: pip install 'distkit[progress]'."
+                ) from None
+            return False
+        return bool(self.enable_progress_bar or sys.stderr.isatty())
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The objects a checkpoint saves and restores.
+
+        Model (the user's module, unwrapped), optimizer, scheduler, gradient scaler, the loop
+        position with every rank's RNG state (a :class:`distkit.checkpoint.ResumeState`), the
+        loader's position, the Trainer's counters and the callbacks' state.
+
+        Local to build; saving it is collective (the ResumeState gathers every rank's RNG state).
+
+        Example:
+            >>> manager.save(trainer.global_step, trainer.checkpoint_state())  # doctest: +SKIP
+        """
+        if self._epoch_finished:
+            epoch, batches = self.current_epoch + 1, 0
+        else:
+            epoch, batches = self.current_epoch, self._batches_done
+        state: dict[str, Any] = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "progress": ResumeState(epoch=epoch, global_step=self.global_step, batches_in_epoch=batches),
+            "counters": _Counters(self),
+            "callbacks": _CallbackStates(self.callbacks),
+        }
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler
+        if self._precision is not None and self._precision.scaler is not None:
+            state["scaler"] = self._precision.scaler
+        if callable(getattr(self._train_loader, "state_dict", None)):
+            state["train_loader"] = self._train_loader
+        return state
+
+    def _checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    def _restore(self) -> int | None:
+        """Restore from ``self.resume``; the step resumed from, or ``None`` for a fresh start.
+
+        Collective with ``resume="auto"`` (the ranks check they restored the same step).
+        """
+        if self.resume is None:
+            return None
+        state = self.checkpoint_state()
+        progress = state["progress"]
+        if self.resume == "auto":
+            checkpoint = self._checkpoint_callback()
+            if checkpoint is None:
+                raise ValueError(
+                    "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
+                    "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
+                )
+            if checkpoint.manager.restore(state) is None:
+                _log.info(
+                    "resume='auto': no checkpoint in %s yet, starting from step 0", checkpoint.directory
+                )
+                return None
+        else:
+            load_checkpoint(self.resume, state)
+        self.global_step = progress.global_step
+        self.current_epoch = progress.epoch
+        self._batches_done = progress.batches_in_epoch
+        if self._batches_done and "train_loader" not in state:
+            # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
+            _log.info("resuming epoch %d by skipping %d batch(es)", self.current_epoch, self._batches_done)
+        return self.global_step
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+
+    def _run(self) -> None:
+        while not self._finished():
+            self._run_epoch()
+            if self._preempted:
+                break
+            if self._epoch_finished:
+                # After fit, current_epoch counts the completed epochs (as max_epochs does).
+                self.current_epoch += 1
+                self._batches_done = 0
+            if self._should_stop:
+                break
+        for cb in self._active_callbacks:
+            cb.on_fit_end(self)
+
+    def _finished(self) -> bool:
+        if self.max_steps is not None and self.global_step >= self.max_steps:
+            return True
+        return self.max_epochs is not None and self.current_epoch >= self.max_epochs
+
+    def _run_epoch(self) -> None:
+        loader = self._train_loader
+        first = self._batches_done
+        if callable(getattr(loader, "set_epoch", None)):
+            loader.set_epoch(self.current_epoch)  # keeps a restored mid-epoch position
+        elif callable(getattr(getattr(loader, "sampler", None), "set_epoch", None)):
+            loader.sampler.set_epoch(self.current_epoch)
+        self._epoch_finished = False
+        self._epoch_sum, self._epoch_count = 0.0, 0
+        self.model.train()  # type: ignore[union-attr]
+        for cb in self._active_callbacks:
+            cb.on_train_epoch_start(self)
+
+        # Held until the epoch's end work is done: a distkit loader closes its pass (and moves to
+        # the next epoch) when the iterator goes, and a checkpoint taken at the end of an epoch cut
+        # short (max_steps, should_stop) must record this epoch's position.
+        iterator: Iterable[Any] = iter(loader)
+        if first and not callable(getattr(loader, "load_state_dict", None)):
+            iterator = itertools.islice(iterator, first, None)
+        # The hot loop reads locals only: attribute lookups and calls cost as much as the probe
+        # on an overhead-bound model (benchmarks/bench_trainer.py).
+        wrapped, precision, device = self._wrapped, self._precision, self.device
+        assert wrapped is not None and precision is not None and device is not None
+        move = device.type != "cpu"
+        accumulate = self.accumulate_grad_batches
+        ddp = isinstance(wrapped, nn.parallel.DistributedDataParallel)
+        per_device = isinstance(wrapped, nn.DataParallel)
+        plain = precision.dtype is None and precision.scaler is None
+        last_index = self._num_batches - 1
+        micro_losses: list[torch.Tensor] = []
+        for batch_idx, batch in enumerate(iterator, start=first):
+            if move:
+                batch = _to_device(batch, device)
+            sync = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx == last_index
+            if plain and sync:
+                total, loss, extras = wrapped(batch, batch_idx)
+                if per_device:
+                    total, loss, extras = _mean_over_devices(total, loss, extras)
+                (total / accumulate if accumulate > 1 else total).backward()
+            else:
+                with wrapped.no_sync() if ddp and not sync else contextlib.nullcontext():  # type: ignore[operator]
+                    with precision.autocast():
+                        total, loss, extras = wrapped(batch, batch_idx)
+                    if per_device:
+                        total, loss, extras = _mean_over_devices(total, loss, extras)
+                    precision.backward(total / accumulate if accumulate > 1 else total)
+            if extras:
+                self._add_extras(extras)
+            self._batches_done = batch_idx + 1
+            if accumulate > 1:
+                micro_losses.append(loss)
+                if not sync:
+                    continue
+                loss = torch.stack(micro_losses).mean()
+                micro, micro_losses = len(micro_losses), []
+            else:
+                micro = 1
+            if self._optimizer_step(loss, micro):
+                break
+        if self._preempted:
+            return
+        self._epoch_finished = self._batches_done >= self._num_batches
+        self._end_epoch()
+        del iterator
+
+    def _add_extras(self, extras: Mapping[str, Any]) -> None:
+        for name, value in extras.items():
+            value = value.detach().double().reshape(()) if isinstance(value, torch.Tensor) else float(value)
+            self._extra_sums[name] = self._extra_sums.get(name, 0.0) + value
+        self._extra_count += 1
+
+    def _optimizer_step(self, loss: torch.Tensor, micro: int) -> bool:
+        """Take (or skip) the optimizer step after the last micro-batch; True when training stops now."""
+        probe, precision, optimizer = self._probe, self._precision, self.optimizer
+        assert probe is not None and precision is not None and optimizer is not None
+        grad = probe.grad
+        # The step's one host sync: the job's mean loss, non-finite if any rank's loss was or if
+        # some rank asked to stop.
+        value = 0.0 if grad is None else grad.item()
+        probe.grad = None
+        take_step, stop = True, False
+        if math.isfinite(value):
+            if self._nonfinite_run:
+                self._nonfinite_run.clear()
+            if precision.scaler is not None:
+                value /= precision.loss_scale()
+            if micro != self.accumulate_grad_batches:  # a short last accumulation of the epoch
+                value *= self.accumulate_grad_batches / micro
+            self._window_sum += value
+            self._window_count += 1
+            self._epoch_sum += value
+            self._epoch_count += 1
+        else:
+            take_step, stop = self._agree(loss)
+
+        if take_step:
+            if self.gradient_clip_val is not None:
+                self._clip_gradients()
+            if precision.scaler is None:
+                optimizer.step()
+            else:
+                precision.step(optimizer)
+            if self.lr_scheduler is not None and self._scheduler_interval == "step":
+                self.lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+
+        for cb in self._step_end_callbacks:
+            cb.on_train_step_end(self, loss)
+        if self.global_step % self.log_every_n_steps == 0:
+            self._log_step()
+        if self._job_preempt:
+            self._preempt()
+            return True
+        return stop or self._finished()
+
+    def _clip_gradients(self) -> None:
+        assert self._precision is not None and self.optimizer is not None and self.model is not None
+        self._precision.unscale(self.optimizer)  # fp16: exactly once per optimizer step
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.gradient_clip_algorithm == "norm":
+            nn.utils.clip_grad_norm_(params, self.gradient_clip_val)  # type: ignore[arg-type]
+        else:
+            nn.utils.clip_grad_value_(params, self.gradient_clip_val)  # type: ignore[arg-type]
+
+    def _count_loss(self, job_loss: float) -> None:
+        # The rare path's twin of the bookkeeping inlined in _optimizer_step.
+        self._window_sum += job_loss
+        self._window_count += 1
+        self._epoch_sum += job_loss
+        self._epoch_count += 1
+
+    def _agree(self, loss: torch.Tensor) -> tuple[bool, bool]:
+        """The rare path, when the probe is not finite: learn why from every rank and decide.
+
+        Collective: one small gather, reached by every rank at the same step because the probe's
+        gradient is the same on every rank. Returns ``(take_step, stop_now)``.
+        """
+        step_module = self._step_module
+        assert step_module is not None
+        local_loss = float(loss)
+        mine = (local_loss, self._preempt_requested, step_module.request_stop and not self._preempt_requested)
+        step_module.request_stop = False
+        everyone = all_gather_object(mine)
+        bad = [rank for rank, (value, _, _) in enumerate(everyone) if not math.isfinite(value)]
+        self._job_preempt = any(preempt for _, preempt, _ in everyone)
+        stop = any(flag for _, _, flag in everyone)
+        if stop:
+            self._should_stop = True
+        if not bad:
+            # Only a stop request made the probe non-finite: the losses themselves are fine.
+            self._nonfinite_run.clear()
+            self._count_loss(sum(value for value, _, _ in everyone) / len(everyone))
+            return True, stop
+        step = self.global_step + 1
+        self.skipped_steps += 1
+        self._nonfinite_run.append(step)
+        _log.warning(
+            "step %d skipped on every rank: non-finite loss on rank(s) %s (%d in a row)",
+            step,
+            bad,
+            len(self._nonfinite_run),
+        )
+        if len(self._nonfinite_run) >= self.max_consecutive_nonfinite:
+            raise DistkitError(
+                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the loss was non-finite (nan or "
+                f"inf) for {len(self._nonfinite_run)} consecutive optimizer steps {self._nonfinite_run}, "
+                f"last on rank(s) {bad}; every rank skipped them. Lower the learning rate, set "
+                f"gradient_clip_val, check the data for nan/inf, or use precision='bf16-mixed' instead of "
+                f"'16-mixed'; raise max_consecutive_nonfinite (now {self.max_consecutive_nonfinite}) to "
+                f"tolerate longer runs."
+            )
+        return False, stop
+
+    def _log_step(self) -> None:
+        metrics: dict[str, float] = {
+            "train_loss": self._window_sum / self._window_count if self._window_count else math.nan
+        }
+        if self._extra_sums:
+            # The logging step's only collective: every extra training metric at once.
+            metrics.update(reduce_metrics({k: (v, self._extra_count) for k, v in self._extra_sums.items()}))
+        metrics["epoch"] = float(self.current_epoch)
+        metrics["skipped_steps"] = float(self.skipped_steps)
+        self._window_sum, self._window_count = 0.0, 0
+        self._extra_sums, self._extra_count = {}, 0
+        for cb in self._active_callbacks:
+            cb.on_log(self, metrics)
+        self.callback_metrics.update(metrics)
+        self._write(metrics)
+
+    def _write(self, metrics: Mapping[str, float]) -> None:
+        if runtime.is_main_process():
+            for logger in self.loggers:
+                logger.log_metrics(metrics, self.global_step)
+
+    def _end_epoch(self) -> None:
+        validate = (
+            self._val_loader is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch == 0
+        )
+        local = self._validate() if validate else {}
+        # The epoch end's one collective for metrics: every validation sum and count at once.
+        metrics = reduce_metrics(local) if local else {}
+        metrics["train_loss_epoch"] = self._epoch_sum / self._epoch_count if self._epoch_count else math.nan
+        metrics["epoch"] = float(self.current_epoch)
+        self.callback_metrics.update(metrics)
+        if validate:
+            for cb in self._active_callbacks:
+                cb.on_validation_end(self, metrics)
+        self._write(metrics)
+        if self.lr_scheduler is not None and self._scheduler_interval == "epoch":
+            self.lr_scheduler.step()
+        for cb in self._active_callbacks:
+            cb.on_train_epoch_end(self, metrics)
+        # Built-in callbacks decide from identical metrics, a user's callback may not: agree once.
+        self._should_stop = any_rank(self._should_stop)
+
+    @torch.no_grad()
+    def _validate(self) -> dict[str, tuple[Any, float]]:
+        module, device, precision = self.model, self.device, self._precision
+        assert module is not None and device is not None and precision is not None
+        module.eval()
+        sums: dict[str, list[Any]] = {}
+
+        def add(name: str, value: Any, size: int) -> None:
+            total, count = _metric_value(name, value, size)
+            entry = sums.setdefault(name, [0.0, 0.0])
+            entry[0] = entry[0] + total
+            entry[1] += count
+
+        validation_step = getattr(module, "validation_step", None)
+        # Validation runs on the unwrapped module: DDP's forward may broadcast buffers (a collective)
+        # and evaluation shards may differ in length by a batch.
+        for batch_idx, batch in enumerate(self._val_loader):
+            batch = _to_device(batch, device)
+            with precision.autocast():
+                if callable(validation_step):
+                    out = validation_step(batch, batch_idx)
+                    if not isinstance(out, Mapping):
+                        raise TypeError(
+                            f"validation_step() must return a dict of metrics, got {type(out).__name__}."
+                        )
+                    size = _batch_size(batch)
+                    for name, value in out.items():
+                        add(name, value, size)
+                elif self._loss_fn is not None:
+                    inputs, target = _split_batch(batch)
+                    output = module(inputs)
+                    size = _batch_size(target)
+                    add("val_loss", self._loss_fn(output, target), size)
+                    for name, fn in self._metric_fns.items():
+                        add(f"val_{name}", fn(output, target), size)
+        module.train()
+        return {name: (total, count) for name, (total, count) in sums.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # Preemption
+
+    def _install_preemption_handler(self) -> Any:
+        """Route SIGTERM to a flag; returns what to restore (``None``: nothing was installed)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None  # Python sets signal handlers from the main thread only
+        previous: Any = signal.getsignal(signal.SIGTERM)
+        if previous is None:  # installed from C: restore the default action
+            previous = signal.SIG_DFL
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self._preempt_requested:
+                # A second SIGTERM: the first was not acted on (this rank is stuck outside the step
+                # loop, or the others are). Terminate as if fit() had not been running.
+                signal.signal(signal.SIGTERM, previous)
+                signal.raise_signal(signal.SIGTERM)
+                return
+            # Only flags: the step in flight finishes, then every rank agrees through the probe.
+            self._preempt_requested = True
+            if self._step_module is not None:
+                self._step_module.request_stop = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        return previous
+
+    def _restore_preemption_handler(self, previous: Any) -> None:
+        if previous is None:
+            return
+        signal.signal(signal.SIGTERM, previous)
+        if self._preempt_requested and not self._preempted:
+            # The signal came after the last step; deliver it as if fit() had not been running.
+            signal.raise_signal(signal.SIGTERM)
+
+    def _preempt(self) -> None:
+        """Every rank agreed that some rank got SIGTERM: save a checkpoint and leave ``fit``."""
+        _log.warning(
+            "SIGTERM received: saving a checkpoint at step %d, then exiting with code 0", self.global_step
+        )
+        checkpoint = self._checkpoint_callback()
+        if checkpoint is not None:
+            checkpoint.save(self, None)
+            checkpoint.manager.wait()
+        else:
+            _log.warning("no ModelCheckpoint callback: nothing was saved before exiting")
+        self._preempted = True
+
+    # ------------------------------------------------------------------------------------------
+    # Starting local processes
+
+    def _launch(
+        self, plan: strategies._Plan, model: nn.Module, data: tuple[Any, Any], kwargs: dict[str, Any]
+    ) -> None:
+        payload = launch.serialize(
+            "the trainer, model, data, optimizer and functions", (self, model, data, kwargs)
+        )
+        results = launch.launch(plan.local_processes, payload)
+        outcome = pickle.loads(results[0])
+        model.load_state_dict(outcome["model"])
+        self.global_step = outcome["global_step"]
+        self.current_epoch = outcome["current_epoch"]
+        self.skipped_steps = outcome["skipped_steps"]
+        self.callback_metrics = outcome["callback_metrics"]
+        self.world_size = plan.world_size
+        if outcome["preempted"]:
+            raise _Preempted()
+
+    def _outcome(self, preempted: bool) -> dict[str, Any]:
+        """What rank 0 of launched workers sends back to the process that started them."""
+        assert self.model is not None
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "global_step": self.global_step,
+            "current_epoch": self.current_epoch,
+            "skipped_steps": self.skipped_steps,
+            "callback_metrics": dict(self.callback_metrics),
+            "preempted": preempted,
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # Reporting
+
+    def _hyperparams(self) -> dict[str, Any]:
+        plan, optimizer = self._plan, self.optimizer
+        assert plan is not None and optimizer is not None
+        return {
+            "strategy": plan.kind,
+            "device": str(self.device),
+            "world_size": self.world_size,
+            "precision": self.precision,
+            "batch_size": self._per_replica_batch,
+            "effective_batch_size": self.effective_batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "max_epochs": self.max_epochs,
+            "max_steps": self.max_steps,
+            "gradient_clip_val": self.gradient_clip_val,
+            "seed": self.seed,
+            "optimizer": type(optimizer).__name__,
+            "lr": [group["lr"] for group in optimizer.param_groups],
+        }
+
+    def _report(self, resumed_from: int | None) -> str:
+        plan, optimizer, model = self._plan, self.optimizer, self.model
+        assert plan is not None and optimizer is not None and model is not None
+        env = runtime.get_env()
+        backend = (
+            dist.get_backend() if dist.is_available() and dist.is_initialized() else "none (one process)"
+        )
+        if plan.kind == "dp":
+            where = ", ".join(f"cuda:{i}" for i in plan.cuda_indices) + " (nn.DataParallel, one process)"
+        elif plan.kind == "ddp":
+            where = f"{self.device} per process; {env.local_world_size} process(es) x {env.num_nodes} node(s)"
+        else:
+            where = str(self.device)
+        kind = plan.kind
+        if isinstance(self.strategy, DDPStrategy):
+            changed = {k: v for k, v in vars(self.strategy).items() if v != getattr(DDPStrategy(), k)}
+            if changed:
+                kind += " (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
+        unit = "GPU" if plan.kind == "dp" else "rank"
+        lrs = sorted({group["lr"] for group in optimizer.param_groups})
+        n_params = sum(p.numel() for p in model.parameters())
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        lines = [
+            "distkit.Trainer",
+            f"  strategy       {kind} (launcher: {plan.launcher})",
+            f"  devices        {where}",
+            f"  world size     {self.world_size}",
+            f"  backend        {backend}",
+            f"  precision      {self.precision}",
+            f"  batch size     {self._per_replica_batch} per {unit}, {self.effective_batch_size} effective "
+            f"({self._per_replica_batch} x {self._replicas} {unit}s x {self.accumulate_grad_batches} "
+            f"accumulated)",
+            f"  learning rate  {', '.join(f'{lr:g}' for lr in lrs)} ({type(optimizer).__name__})",
+            f"  model          {type(model).__name__}: {n_params:,} parameters ({n_trainable:,} trainable)",
+            f"  schedule       {self.steps_per_epoch} steps per epoch; max_epochs={self.max_epochs}, "
+            f"max_steps={self.max_steps}",
+        ]
+        checkpoint = self._checkpoint_callback()
+        if checkpoint is not None:
+            resumed = "fresh start" if resumed_from is None else f"resumed at step {resumed_from}"
+            lines.append(f"  checkpoints    {checkpoint.directory} ({resumed})")
+        return "\n".join(lines)

@@ -1,0 +1,803 @@
+"""The Trainer on real 2-rank gloo groups, real files and real torchrun jobs: equivalence with
+hand-written loops, accumulation and clipping, non-finite steps, logging, callbacks, exact resume,
+preemption and restart after a SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import distkit
+from distkit.errors import DistkitError
+from distkit.trainer import (
+    Callback,
+    CSVLogger,
+    DDPStrategy,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    TensorBoardLogger,
+    ThroughputMonitor,
+    Trainer,
+    accuracy,
+)
+
+SCRIPTS = pathlib.Path(__file__).parent / "trainer_scripts"
+REPO = pathlib.Path(__file__).parent.parent
+
+
+# --------------------------------------------------------------------------------------------------
+# The model and data of seed 002's single-file DDP example (smaller, so tests stay fast)
+
+
+class SimpleModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class RandomDataset(Dataset):  # type: ignore[type-arg]
+    def __init__(self, size: int, length: int) -> None:
+        generator = torch.Generator().manual_seed(1234)
+        self.len = length
+        self.data = torch.randn(length, size, generator=generator)
+        self.targets = torch.randint(0, 10, (length,), generator=generator)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[index], self.targets[index]
+
+    def __len__(self) -> int:
+        return self.len
+
+
+class RecordLosses(Callback):
+    """Keeps every step's local loss (as the hand-written loops print it) and the weights after it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.weights: list[torch.Tensor] = []
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self.losses.append(loss.item())
+        self.weights.append(flat_weights(trainer.model))
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def quiet_trainer(tmp: str, **kwargs: object) -> Trainer:
+    options: dict[str, object] = {
+        "default_root_dir": tmp,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+    }
+    options.update(kwargs)
+    return Trainer(**options)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence with hand-written loops
+
+
+def handwritten_ddp(epochs: int, accumulate: int, clip: float | None) -> tuple[list[float], torch.Tensor]:
+    # Seed 002's loop: DistributedSampler + DataLoader, DDP, Adam, CrossEntropyLoss; with
+    # accumulation as in its no_sync() section (stepping every N micro-batches and at epoch end).
+    rank, world_size = distkit.get_rank(), distkit.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(SimpleModel())
+    dataset = RandomDataset(20, 328)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+    criterion = nn.CrossEntropyLoss()
+    losses: list[float] = []
+    micro: list[torch.Tensor] = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for i, (data, target) in enumerate(loader):
+            last = (i + 1) % accumulate == 0 or i + 1 == len(loader)
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = criterion(model(data), target)
+                (loss / accumulate if accumulate > 1 else loss).backward()
+            micro.append(loss.detach())
+            if not last:
+                continue
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(torch.stack(micro).mean().item())
+            micro = []
+    return losses, flat_weights(model.module)
+
+
+def trainer_ddp(
+    tmp: str, epochs: int, accumulate: int, clip: float | None
+) -> tuple[list[float], torch.Tensor]:
+    rank, world_size = distkit.get_rank(), distkit.get_world_size()
+    torch.manual_seed(0)
+    model = SimpleModel()
+    dataset = RandomDataset(20, 328)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    record = RecordLosses()
+    trainer = quiet_trainer(
+        tmp,
+        strategy="ddp",
+        devices=2,
+        max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        callbacks=[record],
+    )
+    trainer.fit(
+        model,
+        loader,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.001),
+        loss_fn=nn.CrossEntropyLoss(),
+    )
+    return record.losses, flat_weights(model)
+
+
+def test_ddp_trainer_matches_handwritten_ddp_loop_bitwise(ranks, tmp_path) -> None:
+    expected = ranks.run(handwritten_ddp, 2, 1, None)
+    got = ranks.run(trainer_ddp, str(tmp_path), 2, 1, None)
+    for (want_losses, want_weights), (losses, weights) in zip(expected, got, strict=True):
+        assert len(losses) == 2 * 6
+        assert losses == want_losses  # every step's loss on every rank, bitwise
+        assert torch.equal(weights, want_weights)
+
+
+def test_accumulation_with_clipping_matches_handwritten_no_sync_loop_bitwise(ranks, tmp_path) -> None:
+    # 6 batches per epoch and N=4: a full step of 4 micro-batches, then a partial one of 2 at the
+    # epoch's end; clipping by norm on each optimizer step only.
+    expected = ranks.run(handwritten_ddp, 2, 4, 0.05)
+    got = ranks.run(trainer_ddp, str(tmp_path), 2, 4, 0.05)
+    for (want_losses, want_weights), (losses, weights) in zip(expected, got, strict=True):
+        assert len(losses) == 2 * 2
+        assert losses == want_losses
+        assert torch.equal(weights, want_weights)
+
+
+def test_single_trainer_matches_handwritten_single_loop_bitwise(tmp_path) -> None:
+    dataset = RandomDataset(20, 200)
+
+    torch.manual_seed(0)
+    model = SimpleModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(5))
+    expected = []
+    for _ in range(2):
+        for data, target in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(data), target)
+            loss.backward()
+            optimizer.step()
+            expected.append(loss.item())
+    expected_weights = flat_weights(model)
+
+    torch.manual_seed(0)
+    model = SimpleModel()
+    record = RecordLosses()
+    loader = DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(5))
+    trainer = quiet_trainer(str(tmp_path), strategy="single", max_epochs=2, callbacks=[record])
+    trainer.fit(
+        model,
+        loader,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    assert record.losses == expected
+    assert torch.equal(flat_weights(model), expected_weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite losses: skipped on every rank alike, counted, and fatal when they keep coming
+
+
+class PoisonedModel(SimpleModel):
+    """Makes the loss nan on `rank` at the given batch indices (within the first epoch)."""
+
+    def __init__(self, rank: int, poisoned: set[int]) -> None:
+        super().__init__()
+        self.poison_rank = rank
+        self.poisoned = poisoned
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        data, target = batch
+        loss = nn.functional.cross_entropy(self(data), target)
+        if distkit.get_rank() == self.poison_rank and batch_idx in self.poisoned:
+            loss = loss * math.nan
+        return loss
+
+
+def train_poisoned(tmp: str, poisoned: set[int], max_consecutive: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = PoisonedModel(rank=1, poisoned=poisoned)
+    record = RecordLosses()
+    trainer = quiet_trainer(
+        tmp,
+        strategy="ddp",
+        max_steps=6,
+        max_consecutive_nonfinite=max_consecutive,
+        callbacks=[record],
+    )
+    try:
+        trainer.fit(model, RandomDataset(20, 400), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    except DistkitError as err:
+        return {"error": str(err), "skipped": trainer.skipped_steps}
+    return {"skipped": trainer.skipped_steps, "weights": record.weights, "steps": trainer.global_step}
+
+
+def test_nonfinite_loss_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_path) -> None:
+    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3)
+    for result in results:
+        assert result["skipped"] == 1 and result["steps"] == 6
+        weights = result["weights"]
+        assert torch.equal(weights[2], weights[1])  # step 3 (batch 2) changed nothing
+        assert not torch.equal(weights[3], weights[2])  # training went on
+        assert all(torch.isfinite(w).all() for w in weights)
+    assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
+
+
+def test_consecutive_nonfinite_losses_raise_on_every_rank_with_the_step_numbers(ranks, tmp_path) -> None:
+    results = ranks.run(train_poisoned, str(tmp_path), {1, 2, 3, 4}, 3)
+    for result in results:
+        assert result["skipped"] == 3
+        assert "3 consecutive optimizer steps [2, 3, 4]" in result["error"]
+        assert "rank(s) [1]" in result["error"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics: one collective per logging step, exact validation
+
+
+class RankMetricModel(SimpleModel):
+    """Reports its rank as an extra training metric, so the logged value shows the reduction."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, object]:
+        data, target = batch
+        loss = nn.functional.cross_entropy(self(data), target)
+        return {"loss": loss, "rank_value": float(distkit.get_rank())}
+
+
+class KeepLogged(Callback):
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self.logged.append(dict(metrics))
+
+
+def collectives_per_run(tmp: str, log_every: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = RankMetricModel()
+    record, keep = RecordLosses(), KeepLogged()
+    trainer = quiet_trainer(
+        tmp, strategy="ddp", max_steps=8, log_every_n_steps=log_every, callbacks=[record, keep]
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.fit(model, RandomDataset(20, 640), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    count = sum(1 for event in prof.events() if event.name.startswith("gloo:"))
+    return {"collectives": count, "logged": keep.logged, "losses": record.losses}
+
+
+def test_logging_costs_one_collective_per_logging_step_and_reduces_across_ranks(ranks, tmp_path) -> None:
+    every_step = ranks.run(collectives_per_run, str(tmp_path), 1)
+    never = ranks.run(collectives_per_run, str(tmp_path), 100)
+    for rank in range(2):
+        assert every_step[rank]["collectives"] - never[rank]["collectives"] == 8  # 8 logging steps
+        logged = every_step[rank]["logged"]
+        assert [m["rank_value"] for m in logged] == [0.5] * 8  # mean of rank 0's 0 and rank 1's 1
+        for step, metrics in enumerate(logged):
+            # train_loss is the job's mean of the ranks' losses of that step (/2 is exact).
+            mean = (every_step[0]["losses"][step] + every_step[1]["losses"][step]) / 2
+            assert metrics["train_loss"] == pytest.approx(mean, rel=1e-6)
+    assert never[0]["logged"] == []
+
+
+def validation_metrics(tmp: str) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    val = RandomDataset(20, 37)  # 19 + 18 samples on the ranks: uneven, never padded
+    trainer = quiet_trainer(tmp, strategy="ddp", max_epochs=1, val_batch_size=4)
+    trainer.fit(
+        model,
+        RandomDataset(20, 64),
+        val,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+        metrics={"acc": accuracy},
+    )
+    with torch.no_grad():
+        output = model(val.data)
+        exact = {
+            "val_loss": nn.functional.cross_entropy(output, val.targets).item(),
+            "val_acc": (output.argmax(1) == val.targets).float().mean().item(),
+        }
+    return {"logged": dict(trainer.callback_metrics), "exact": exact}
+
+
+def test_validation_metrics_are_exact_over_every_sample_once(ranks, tmp_path) -> None:
+    for result in ranks.run(validation_metrics, str(tmp_path)):
+        for name, value in result["exact"].items():
+            assert result["logged"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+# --------------------------------------------------------------------------------------------------
+# Stopping together
+
+
+class StopOnRankOne(Callback):
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if distkit.get_rank() == 1 and trainer.global_step == 3:
+            trainer.should_stop = True
+
+
+def stop_requested_on_one_rank(tmp: str) -> int:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    trainer = quiet_trainer(tmp, strategy="ddp", max_epochs=5, callbacks=[StopOnRankOne()])
+    trainer.fit(
+        model,
+        RandomDataset(20, 640),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    return trainer.global_step
+
+
+def test_should_stop_on_one_rank_stops_every_rank_at_the_next_step(ranks, tmp_path) -> None:
+    assert ranks.run(stop_requested_on_one_rank, str(tmp_path)) == [4, 4]
+
+
+def early_stopping(tmp: str) -> tuple[int, int | None]:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    stopper = EarlyStopping("val_loss", patience=1)
+    trainer = quiet_trainer(tmp, strategy="ddp", max_epochs=10, callbacks=[stopper])
+    # lr=0: the validation loss never improves after the first epoch.
+    trainer.fit(
+        model,
+        RandomDataset(20, 64),
+        RandomDataset(20, 16),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    return trainer.current_epoch, stopper.stopped_epoch
+
+
+def test_early_stopping_stops_every_rank_at_the_same_epoch(ranks, tmp_path) -> None:
+    assert ranks.run(early_stopping, str(tmp_path)) == [(2, 1), (2, 1)]  # epochs run, stopped at
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact resume: model, optimizer, scheduler, RNG (dropout) and the loader's mid-epoch position
+
+
+class DropoutModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def resumable_run(directory: str, max_steps: int, resume: str | None) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = DropoutModel()
+    trainer = quiet_trainer(
+        directory,
+        strategy="ddp",
+        max_steps=max_steps,
+        seed=3,
+        resume=resume,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(every_n_steps=3, every_n_epochs=0)],
+    )
+    trainer.fit(
+        model,
+        RandomDataset(20, 320),  # 5 steps per epoch: step 3 is mid-epoch
+        optimizer=lambda params: torch.optim.AdamW(params, lr=0.01),
+        loss_fn=nn.functional.cross_entropy,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+    )
+    return flat_weights(model)
+
+
+def test_resume_auto_continues_exactly_where_the_checkpoint_stopped(ranks, tmp_path) -> None:
+    uninterrupted = ranks.run(resumable_run, str(tmp_path / "a"), 8, None)
+    ranks.run(resumable_run, str(tmp_path / "b"), 3, None)  # "killed" after step 3
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_000000003"]
+    resumed = ranks.run(resumable_run, str(tmp_path / "b"), 8, "auto")
+    # Dropout draws from the restored RNG and step 4 starts mid-epoch: equal only if both resumed.
+    for want, got in zip(uninterrupted, resumed, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tmp_path) -> None:
+    model = SimpleModel()
+    trainer = quiet_trainer(
+        str(tmp_path), strategy="single", max_steps=2, resume="auto", enable_checkpointing=True
+    )
+    trainer.fit(
+        model,
+        RandomDataset(20, 64),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    assert trainer.global_step == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Strategies, devices and precision: clear errors instead of silent fallbacks
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_dataparallel_without_cuda_is_refused_not_run_silently_on_cpu() -> None:
+    with pytest.raises(DistkitError, match=r"strategy='dp'.*needs CUDA"):
+        Trainer(strategy="dp", max_epochs=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_fp16_without_cuda_is_refused_with_the_bf16_alternative() -> None:
+    with pytest.raises(DistkitError, match=r"'16-mixed' needs CUDA.*bf16-mixed"):
+        Trainer(precision="16-mixed", max_epochs=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_device_indices_without_cuda_are_refused() -> None:
+    with pytest.raises(DistkitError, match="needs CUDA"):
+        Trainer(strategy="single", devices=[1], max_epochs=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"strategy": "fsdp"}, ValueError, "strategy must be one of"),
+        ({"devices": 0}, ValueError, "devices must be >= 1, got 0"),
+        ({"devices": [0, 0]}, ValueError, "distinct CUDA indices"),
+        ({"precision": "64"}, ValueError, "precision must be one of"),
+        ({"accumulate_grad_batches": 0}, ValueError, "accumulate_grad_batches must be >= 1, got 0"),
+        ({"gradient_clip_val": -1.0}, ValueError, "gradient_clip_val must be > 0"),
+        ({"gradient_clip_algorithm": "max"}, ValueError, "'norm' or 'value'"),
+        ({"strategy": "single", "devices": 2}, ValueError, "strategy='single' uses one device"),
+        ({"max_epochs": None}, ValueError, "give max_epochs or max_steps"),
+        ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
+    ],
+)
+def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match) -> None:
+    options = {"max_epochs": 1, **kwargs}
+    with pytest.raises(error, match=match):
+        Trainer(**options)
+
+
+def single_strategy_in_a_ddp_job(tmp: str) -> str:
+    model = SimpleModel()
+    try:
+        quiet_trainer(tmp, strategy="single", max_steps=1).fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    except DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+def wrong_device_count_in_a_ddp_job(tmp: str) -> str:
+    model = SimpleModel()
+    try:
+        quiet_trainer(tmp, strategy="ddp", devices=4, max_steps=1).fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    except DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+def test_strategy_that_does_not_fit_the_launched_job_is_refused(ranks, tmp_path) -> None:
+    for message in ranks.run(single_strategy_in_a_ddp_job, str(tmp_path)):
+        assert "strategy='single' runs in one process, but this process is rank" in message
+    for message in ranks.run(wrong_device_count_in_a_ddp_job, str(tmp_path)):
+        assert "devices=4 but the env job runs 2 process(es) on this node" in message
+
+
+def test_optimizer_of_another_model_copy_is_refused(tmp_path) -> None:
+    model, other = SimpleModel(), SimpleModel()
+    trainer = quiet_trainer(str(tmp_path), strategy="single", max_steps=1)
+    with pytest.raises(ValueError, match="not parameters of the model given to fit"):
+        trainer.fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+
+
+def test_unpicklable_objects_are_named_before_any_process_starts(tmp_path) -> None:
+    model = SimpleModel()
+    trainer = quiet_trainer(str(tmp_path), strategy="ddp", devices=2, max_steps=1)
+    with pytest.raises(DistkitError, match=r"cannot be pickled.*torchrun"):
+        trainer.fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=lambda output, target: nn.functional.cross_entropy(output, target),
+        )
+
+
+def ddp_options_reach_ddp(tmp: str) -> tuple[bool, bool, int]:
+    class Capture(Callback):
+        def on_fit_start(self, trainer: Trainer) -> None:
+            self.ddp = trainer._wrapped  # the DDP module itself: its options are what we check
+
+    # A branch that the forward pass never uses: plain DDP fails on it at the second step.
+    torch.manual_seed(0)
+    model = SimpleModel()
+    model.unused = nn.Linear(3, 3)
+    capture = Capture()
+    strategy = DDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=True, bucket_cap_mb=1)
+    quiet_trainer(tmp, strategy=strategy, max_steps=3, callbacks=[capture]).fit(
+        model,
+        RandomDataset(20, 256),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    ddp = capture.ddp
+    return ddp.find_unused_parameters, ddp.gradient_as_bucket_view, ddp.bucket_bytes_cap
+
+
+def test_ddp_options_pass_through_to_distributed_data_parallel(ranks, tmp_path) -> None:
+    assert ranks.run(ddp_options_reach_ddp, str(tmp_path)) == [(True, True, 1024 * 1024)] * 2
+
+
+class DtypeProbe(SimpleModel):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        data, target = batch
+        output = self(data)
+        self.seen_dtype = output.dtype
+        return nn.functional.cross_entropy(output, target)
+
+
+def test_bf16_mixed_runs_the_forward_pass_in_bfloat16_on_cpu(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = DtypeProbe()
+    trainer = quiet_trainer(
+        str(tmp_path), strategy="single", precision="bf16-mixed", max_steps=3, log_every_n_steps=1
+    )
+    trainer.fit(model, RandomDataset(20, 128), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.seen_dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+    assert math.isfinite(trainer.callback_metrics["train_loss"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 with GradScaler needs CUDA")
+def test_fp16_unscales_once_per_optimizer_step_with_accumulation_and_clipping(tmp_path) -> None:
+    calls = []
+    original = torch.amp.GradScaler.unscale_
+
+    def counting_unscale(self, optimizer):  # counts the real method's calls; no behaviour change
+        calls.append(1)
+        return original(self, optimizer)
+
+    torch.amp.GradScaler.unscale_ = counting_unscale
+    try:
+        torch.manual_seed(0)
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            str(tmp_path),
+            strategy="single",
+            precision="16-mixed",
+            max_steps=4,
+            accumulate_grad_batches=3,
+            gradient_clip_val=1.0,
+        )
+        trainer.fit(
+            model,
+            RandomDataset(20, 512),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    finally:
+        torch.amp.GradScaler.unscale_ = original
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs 2 CUDA devices")
+def test_dataparallel_splits_each_batch_over_the_listed_gpus(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    trainer = quiet_trainer(str(tmp_path), strategy="dp", devices=[0, 1], max_steps=3, batch_size=8)
+    trainer.fit(
+        model,
+        RandomDataset(20, 256),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    assert trainer.effective_batch_size == 16
+    assert math.isfinite(trainer.callback_metrics.get("train_loss_epoch", 0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up report, loggers and monitors
+
+
+def startup_report(tmp: str) -> str:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        quiet_trainer(tmp, strategy="ddp", max_steps=2, batch_size=16, accumulate_grad_batches=2).fit(
+            model,
+            RandomDataset(20, 256),
+            optimizer=torch.optim.Adam(model.parameters(), lr=3e-4),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    return out.getvalue()
+
+
+def test_startup_report_is_printed_once_by_the_main_process(ranks, tmp_path) -> None:
+    main, other = ranks.run(startup_report, str(tmp_path))
+    assert other == ""
+    assert main.count("distkit.Trainer") == 1
+    for line in (
+        "strategy       ddp",
+        "devices        cpu per process; 2 process(es) x 1 node(s)",
+        "world size     2",
+        "backend        gloo",
+        "precision      32",
+        "batch size     16 per rank, 64 effective (16 x 2 ranks x 2 accumulated)",
+        "learning rate  0.0003 (Adam)",
+    ):
+        assert line in main, line
+
+
+def test_csv_tensorboard_and_monitors_record_the_run(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = SimpleModel()
+    trainer = Trainer(
+        strategy="single",
+        max_epochs=2,
+        log_every_n_steps=2,
+        default_root_dir=tmp_path,
+        logger=[CSVLogger(), TensorBoardLogger()],
+        callbacks=[LearningRateMonitor(), ThroughputMonitor()],
+        enable_progress_bar=False,
+    )
+    trainer.fit(
+        model,
+        RandomDataset(20, 160),
+        RandomDataset(20, 40),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+        metrics={"acc": accuracy},
+    )
+    with open(tmp_path / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    step_rows = [r for r in rows if r["train_loss"]]
+    epoch_rows = [r for r in rows if r["val_loss"]]
+    assert [int(r["step"]) for r in step_rows] == [2, 4, 6, 8, 10]
+    assert [int(r["step"]) for r in epoch_rows] == [5, 10]
+    assert all(float(r["lr"]) == 0.1 and float(r["samples_per_s"]) > 0 for r in step_rows)
+    assert 0.0 <= float(epoch_rows[-1]["val_acc"]) <= 1.0
+    assert (tmp_path / "hparams.json").exists()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000000005",
+        "step_000000010",
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Real processes: fit() starting its own, SIGTERM (preemption), SIGKILL under torchrun --max-restarts
+
+
+def reference_weights(root: str, max_steps: int) -> dict[str, torch.Tensor]:
+    # The uninterrupted run of trainer_scripts/train_job.py, on the pool's ranks.
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import train_job
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    model = train_job.make_model()
+    train_job.fit(train_job.make_trainer(root, max_steps, []), model)
+    return model.state_dict()
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
+    # One thread per rank, as in the pool the reference runs on: the same arithmetic, bitwise.
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_job(
+    args: list[str], env: dict[str, str], timeout_s: float = 240.0
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
+    print(result.stdout[-4000:], result.stderr[-6000:], sep="\n")  # shown by pytest on failure
+    return result
+
+
+def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_and_exits_zero(ranks, tmp_path) -> None:
+    # `python train_job.py`: fit() starts 2 workers itself. Rank 1 gets SIGTERM after step 3; every
+    # rank finishes step 4, a checkpoint of step 4 is saved, and the launching process exits 0 with
+    # rank 0's weights of step 4 loaded into its model.
+    result = run_job(
+        [
+            sys.executable,
+            str(SCRIPTS / "train_job.py"),
+            str(tmp_path),
+            "8",
+            "--term-rank",
+            "1",
+            "--term-step",
+            "3",
+        ],
+        job_env(),
+    )
+    assert result.returncode == 0
+    assert "SIGTERM received: saving a checkpoint at step 4" in result.stderr
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["step_000000002", "step_000000004"]
+    saved = torch.load(tmp_path / "weights.pt")
+    assert saved["world_size"] == 2 and saved["step"] == 4
+    checkpoint = distkit.load_checkpoint(tmp_path / "checkpoints" / "step_000000004", map_location="cpu")
+    expected = ranks.run(reference_weights, str(tmp_path / "reference"), 4)[0]
+    for name, tensor in saved["weights"].items():
+        assert torch.equal(tensor, checkpoint["model"][name]), name
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_sigkilled_rank_restarts_under_torchrun_and_ends_with_uninterrupted_weights(ranks, tmp_path) -> None:
+    env = job_env()
+    # pytorch/pytorch#135712: without it the restarted gloo group often fails to form (FACTS.md).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = run_job(
+        [
+            *torchrun,
+            "--max-restarts=1",
+            str(SCRIPTS / "train_job.py"),
+            str(tmp_path),
+            "8",
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            "5",
+        ],
+        env,
+    )
+    assert result.returncode == 0
+    assert "rank 1 sends itself signal 9 after step 5" in result.stdout
+    assert "resumed at step 4" in result.stdout  # the checkpoint before the kill
+    saved = torch.load(tmp_path / "weights.pt")
+    assert saved["step"] == 8
+    expected = ranks.run(reference_weights, str(tmp_path / "reference"), 8)[0]
+    for name, tensor in saved["weights"].items():
+        assert torch.equal(tensor, expected[name]), name
