@@ -10,7 +10,110 @@ Example:
     {'loss': 0.5}
 """
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
+    from distkit.bench import (
+        profile_scaling as profile_scaling,
+    )
+    from distkit.checkpoint import (
+        CheckpointCorruptError as CheckpointCorruptError,
+        CheckpointManager as CheckpointManager,
+        ResumeState as ResumeState,
+        load_checkpoint as load_checkpoint,
+        save_checkpoint as save_checkpoint,
+    )
+    from distkit.collectives import (
+        MetricValue as MetricValue,
+        all_gather as all_gather,
+        all_gather_object as all_gather_object,
+        all_ranks as all_ranks,
+        all_reduce as all_reduce,
+        any_rank as any_rank,
+        broadcast_object as broadcast_object,
+        reduce_metrics as reduce_metrics,
+    )
+    from distkit.coordination import (
+        main_process_first as main_process_first,
+        run_on_main as run_on_main,
+    )
+    from distkit.data import (
+        DataLoaderProfile as DataLoaderProfile,
+        DistributedLoader as DistributedLoader,
+        DistributedSplitSampler as DistributedSplitSampler,
+        distributed_dataloader as distributed_dataloader,
+        distributed_sampler as distributed_sampler,
+        gather_for_metrics as gather_for_metrics,
+        linear_warmup as linear_warmup,
+        profile_dataloader as profile_dataloader,
+        scale_lr as scale_lr,
+    )
+    from distkit.env import (
+        LaunchEnv as LaunchEnv,
+        detect_env as detect_env,
+        expand_slurm_nodelist as expand_slurm_nodelist,
+    )
+    from distkit.errors import (
+        CollectiveTimeoutError as CollectiveTimeoutError,
+        DistkitError as DistkitError,
+        MainProcessError as MainProcessError,
+    )
+    from distkit.monitor import (
+        GPUMonitor as GPUMonitor,
+        ThroughputMeter as ThroughputMeter,
+        memory_stats as memory_stats,
+    )
+    from distkit.runtime import (
+        DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
+        RankLoggerAdapter as RankLoggerAdapter,
+        barrier as barrier,
+        get_device as get_device,
+        get_env as get_env,
+        get_local_rank as get_local_rank,
+        get_local_world_size as get_local_world_size,
+        get_logger as get_logger,
+        get_node_rank as get_node_rank,
+        get_rank as get_rank,
+        get_world_size as get_world_size,
+        init as init,
+        is_distributed as is_distributed,
+        is_initialized as is_initialized,
+        is_local_main_process as is_local_main_process,
+        is_main_process as is_main_process,
+        main_process_only as main_process_only,
+        rank_zero_print as rank_zero_print,
+        shutdown as shutdown,
+    )
+    from distkit.seeding import (
+        capture_rng_state as capture_rng_state,
+        derive_seed as derive_seed,
+        restore_rng_state as restore_rng_state,
+        seed_everything as seed_everything,
+        seed_worker as seed_worker,
+    )
+    from distkit.storage import (
+        ChecksumMismatchError as ChecksumMismatchError,
+        LockTimeoutError as LockTimeoutError,
+        UploadHandle as UploadHandle,
+        download as download,
+        upload as upload,
+    )
+    from distkit.trainer import (
+        Callback as Callback,
+        CSVLogger as CSVLogger,
+        DDPStrategy as DDPStrategy,
+        EarlyStopping as EarlyStopping,
+        LearningRateMonitor as LearningRateMonitor,
+        Logger as Logger,
+        ModelCheckpoint as ModelCheckpoint,
+        TensorBoardLogger as TensorBoardLogger,
+        ThroughputMonitor as ThroughputMonitor,
+        Trainer as Trainer,
+        accuracy as accuracy,
+    )
+
 
 # Every public name loads on first use: `import distkit` itself imports nothing heavy (not even
 # torch), so the pytest plugin that the distkit package registers costs other test suites nothing.

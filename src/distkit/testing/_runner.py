@@ -23,8 +23,7 @@ import unittest
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as wait_ready
+from multiprocessing.connection import Connection, wait as wait_ready
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal, NoReturn, TypeVar
