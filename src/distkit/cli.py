@@ -308,6 +308,28 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
+def _write_advice(
+    args: argparse.Namespace,
+    out: Path,
+    csv_path: Path,
+    plots: list[Path],
+    plot_problem: str | None,
+    advice: str,
+    **results: list[dict[str, Any]],
+) -> Path | None:
+    """Write recommendation.txt and return its path; with --json print everything and return None."""
+    advice_path = out / "recommendation.txt"
+    advice_path.write_text(advice + "\n")
+    if not args.json:
+        return advice_path
+    files = {"csv": str(csv_path), "plots": [str(p) for p in plots], "recommendation": str(advice_path)}
+    payload: dict[str, Any] = {**results, "recommendation": advice, "files": files}
+    if plot_problem:
+        payload["plot_error"] = plot_problem
+    print(json.dumps(_json_ready(payload), indent=2))
+    return None
+
+
 def _plots_or_reason(plot: Callable[[], list[Path]]) -> tuple[list[Path], str | None]:
     try:
         return plot(), None
@@ -364,14 +386,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     csv_path = report.write_csv([r.as_dict() for r in rows], out / "results.csv", runner.BenchRow.columns())
     plots, plot_problem = _plots_or_reason(lambda: report.plot_rows(rows, out))
     advice = report.recommend(rows)
-    advice_path = out / "recommendation.txt"
-    advice_path.write_text(advice + "\n")
-    files = {"csv": str(csv_path), "plots": [str(p) for p in plots], "recommendation": str(advice_path)}
-    if args.json:
-        payload = {"rows": [r.as_dict() for r in rows], "recommendation": advice, "files": files}
-        if plot_problem:
-            payload["plot_error"] = plot_problem
-        print(json.dumps(_json_ready(payload), indent=2))
+    advice_path = _write_advice(
+        args, out, csv_path, plots, plot_problem, advice, rows=[r.as_dict() for r in rows]
+    )
+    if advice_path is None:
         return 0
     _print_table(
         ["strategy", "n", "batch", "samples/s", "p50 ms", "speedup", "efficiency", "memory MiB", "status"],
@@ -489,14 +507,10 @@ def _cmd_profile(args: argparse.Namespace, out: Path) -> int:
         lambda: [report.plot_profiles(profiles, out / "predicted_scaling.png", title=title)]
     )
     advice = "\n\n".join(p.recommendation() for p in profiles)
-    advice_path = out / "recommendation.txt"
-    advice_path.write_text(advice + "\n")
-    files = {"csv": str(csv_path), "plots": [str(p) for p in plots], "recommendation": str(advice_path)}
-    if args.json:
-        payload = {"profiles": [p.as_dict() for p in profiles], "recommendation": advice, "files": files}
-        if plot_problem:
-            payload["plot_error"] = plot_problem
-        print(json.dumps(_json_ready(payload), indent=2))
+    advice_path = _write_advice(
+        args, out, csv_path, plots, plot_problem, advice, profiles=[p.as_dict() for p in profiles]
+    )
+    if advice_path is None:
         return 0
     _print_table(
         [
