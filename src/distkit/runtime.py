@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import functools
+import gc
 import logging
 import os
 from collections.abc import Callable, MutableMapping
@@ -307,6 +308,10 @@ def shutdown() -> None:
     runtime, _runtime = _runtime, None
     if runtime is not None and runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+        # A DDP reducer or pending gloo work in a reference cycle keeps the C++ group alive until
+        # interpreter finalization, where freeing it aborts the process ("terminate called without
+        # an active exception", pytorch/pytorch#190489). Free such cycles now, while Python is whole.
+        gc.collect()
 
 
 def is_initialized() -> bool:
