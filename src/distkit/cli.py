@@ -308,6 +308,15 @@ def _json_ready(value: Any) -> Any:
     return value
 
 
+def _print_advice(advice: str, written: list[Path], plot_problem: str | None) -> None:
+    print()
+    print(advice)
+    print()
+    print("wrote " + ", ".join(str(p) for p in written))
+    if plot_problem:
+        print(f"no plots: {plot_problem}", file=sys.stderr)
+
+
 def _write_advice(
     args: argparse.Namespace,
     out: Path,
@@ -408,12 +417,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             for r in rows
         ],
     )
-    print()
-    print(advice)
-    print()
-    print(f"wrote {csv_path}, {advice_path}" + "".join(f", {p}" for p in plots))
-    if plot_problem:
-        print(f"no plots: {plot_problem}", file=sys.stderr)
+    _print_advice(advice, [csv_path, advice_path, *plots], plot_problem)
     return 0
 
 
@@ -533,12 +537,7 @@ def _cmd_profile(args: argparse.Namespace, out: Path) -> int:
             for p in profiles
         ],
     )
-    print()
-    print(advice)
-    print()
-    print(f"wrote {csv_path}, {advice_path}" + "".join(f", {p}" for p in plots))
-    if plot_problem:
-        print(f"no plots: {plot_problem}", file=sys.stderr)
+    _print_advice(advice, [csv_path, advice_path, *plots], plot_problem)
     return 0
 
 

@@ -74,6 +74,31 @@ class LaunchEnv:
         return max(1, -(-self.world_size // self.local_world_size))
 
 
+# Variables of an outer job (torchrun agent, SLURM step, MPI) that must not leak into the ranks of a
+# job distkit starts itself: detect_env would read the outer job instead of the new one.
+_OUTER_JOB_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")
+
+
+def _local_job_environ(base: Mapping[str, str], *, rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment of one rank of a one-node job whose parent hosts the store on 127.0.0.1:port.
+
+    Used by distkit.testing and distkit.bench, which start their own ranks (private).
+    """
+    environ = {k: v for k, v in base.items() if not k.startswith(_OUTER_JOB_PREFIXES)}
+    environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        # The parent hosts the store, as torchrun's agent does; every rank connects as a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    return environ
+
+
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
     raw = environ.get(name)
     if raw is None or raw.strip() == "":

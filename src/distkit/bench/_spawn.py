@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from distkit import runtime
+from distkit.env import _local_job_environ
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
 # Variables of an outer job (this command may itself run under torchrun or SLURM) that would make
 # a rank believe it belongs to that job instead of ours.
-_OUTER_JOB_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")
 # After the first rank failed, how long the others get to report their own outcome before they
 # are killed: gloo peers of a dead rank fail within about 0.3 s (FACTS.md).
 _GRACE_S = 3.0
@@ -71,19 +71,8 @@ def _child_main() -> None:
 
 
 def _rank_environ(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(_OUTER_JOB_PREFIXES)}
-    environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        # The parent hosts the store, as torchrun's agent does; every rank connects as a client.
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        OMP_NUM_THREADS=str(threads),
-    )
+    environ = _local_job_environ(os.environ, rank=rank, world_size=world_size, port=port)
+    environ["OMP_NUM_THREADS"] = str(threads)
     return environ
 
 

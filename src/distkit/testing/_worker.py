@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
+from distkit.env import _local_job_environ
+
 __all__: list[str] = []
 
 # Launcher variables of an outer job (pytest itself run under torchrun) must not leak into the
 # ranks' own job description; distkit.env reads TORCHELASTIC_RUN_ID to name the launcher.
-_OUTER_JOB_PREFIXES = ("TORCHELASTIC_",)
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,7 @@ def job_environ(
     base: dict[str, str], *, rank: int, world_size: int, port: int, extra: dict[str, str] | None
 ) -> dict[str, str]:
     """The environment of one rank: ``base`` with the torchrun-style variables of this job set."""
-    environ = {k: v for k, v in base.items() if not k.startswith(_OUTER_JOB_PREFIXES)}
-    environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        # The parent hosts the store, as torchrun's agent does; every rank connects as a client.
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    environ = _local_job_environ(base, rank=rank, world_size=world_size, port=port)
     # torchrun's own default with several processes per node: N ranks that each use every core
     # for intra-op threads oversubscribe the CPU and make tests slow and timing-dependent.
     environ.setdefault("OMP_NUM_THREADS", "1")
