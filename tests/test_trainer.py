@@ -225,18 +225,48 @@ class PoisonedModel(SimpleModel):
         data, target = batch
         loss = nn.functional.cross_entropy(self(data), target)
         if distkit.get_rank() == self.poison_rank and batch_idx in self.poisoned:
-            loss = loss * math.nan
+            loss = self.poison(loss)
         return loss
 
+    def poison(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * math.nan
 
-def train_poisoned(tmp: str, poisoned: set[int], max_consecutive: int) -> dict[str, object]:
+
+class OverflowModel(PoisonedModel):
+    """A finite loss whose gradients are inf: the gradient of sqrt(w - w) at 0 is 1 / 0 (an
+    overflow inside backward)."""
+
+    def poison(self, loss: torch.Tensor) -> torch.Tensor:
+        weight = self.net[2].weight
+        return loss + torch.sqrt(weight - weight.detach()).sum()
+
+
+class RankHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(20, 10), nn.Linear(20, 10)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads[distkit.get_rank()](x)
+
+
+class TwoHeadModel(PoisonedModel):
+    """Rank r trains head r only (find_unused_parameters): no parameter is used by both ranks."""
+
+    def __init__(self, rank: int, poisoned: set[int]) -> None:
+        super().__init__(rank, poisoned)
+        self.net = RankHeads()
+
+
+def train_poisoned(
+    tmp: str, poisoned: set[int], max_consecutive: int, model_class: type = PoisonedModel, **options: object
+) -> dict[str, object]:
     torch.manual_seed(0)
-    model = PoisonedModel(rank=1, poisoned=poisoned)
+    model = model_class(rank=1, poisoned=poisoned)
     record = RecordLosses()
     trainer = quiet_trainer(
         tmp,
-        strategy="ddp",
-        max_steps=6,
+        **{"strategy": "ddp", "max_steps": 6, **options},
         max_consecutive_nonfinite=max_consecutive,
         callbacks=[record],
     )
@@ -254,6 +284,38 @@ def test_nonfinite_loss_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_pat
         weights = result["weights"]
         assert torch.equal(weights[2], weights[1])  # step 3 (batch 2) changed nothing
         assert not torch.equal(weights[3], weights[2])  # training went on
+        assert all(torch.isfinite(w).all() for w in weights)
+    assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
+
+
+def test_nonfinite_loss_in_a_no_sync_micro_batch_skips_the_step_on_every_rank(ranks, tmp_path) -> None:
+    # Two micro-batches per step: batch 4 is the first (no_sync) micro-batch of step 3.
+    results = ranks.run(train_poisoned, str(tmp_path), {4}, 3, accumulate_grad_batches=2)
+    for result in results:
+        assert result["skipped"] == 1 and result["steps"] == 6
+        weights = result["weights"]
+        assert torch.equal(weights[2], weights[1]) and not torch.equal(weights[3], weights[2])
+    assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
+
+
+def test_nonfinite_loss_reaches_every_rank_when_the_ranks_use_disjoint_parameters(ranks, tmp_path) -> None:
+    # find_unused_parameters: rank 1's nan lands in head 1 only, which rank 0 never uses.
+    strategy = DDPStrategy(find_unused_parameters=True)
+    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3, TwoHeadModel, strategy=strategy)
+    for result in results:
+        assert result["skipped"] == 1 and result["steps"] == 6
+        weights = result["weights"]
+        assert torch.equal(weights[2], weights[1])
+        assert all(torch.isfinite(w).all() for w in weights)
+
+
+def test_overflowing_gradients_of_a_finite_loss_are_skipped_when_clipping(ranks, tmp_path) -> None:
+    # The loss stays finite, so only the clipped norm (inf, the same on every rank) can tell.
+    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3, OverflowModel, gradient_clip_val=1.0)
+    for result in results:
+        assert result["skipped"] == 1 and result["steps"] == 6
+        weights = result["weights"]
+        assert torch.equal(weights[2], weights[1])
         assert all(torch.isfinite(w).all() for w in weights)
     assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
 
@@ -346,16 +408,21 @@ def test_validation_metrics_are_exact_over_every_sample_once(ranks, tmp_path) ->
 # Stopping together
 
 
-class StopOnRankOne(Callback):
+class StopAfterStep3(Callback):
+    """Sets should_stop on one rank only, after step 3."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
     def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
-        if distkit.get_rank() == 1 and trainer.global_step == 3:
+        if distkit.get_rank() == self.rank and trainer.global_step == 3:
             trainer.should_stop = True
 
 
-def stop_requested_on_one_rank(tmp: str) -> int:
+def stop_requested_on_one_rank(tmp: str, strategy: str = "ddp", rank: int = 1) -> int:
     torch.manual_seed(0)
     model = SimpleModel()
-    trainer = quiet_trainer(tmp, strategy="ddp", max_epochs=5, callbacks=[StopOnRankOne()])
+    trainer = quiet_trainer(tmp, strategy=strategy, max_epochs=5, callbacks=[StopAfterStep3(rank)])
     trainer.fit(
         model,
         RandomDataset(20, 640),
@@ -365,8 +432,14 @@ def stop_requested_on_one_rank(tmp: str) -> int:
     return trainer.global_step
 
 
-def test_should_stop_on_one_rank_stops_every_rank_at_the_next_step(ranks, tmp_path) -> None:
-    assert ranks.run(stop_requested_on_one_rank, str(tmp_path)) == [4, 4]
+def test_should_stop_on_one_rank_stops_every_rank_after_that_step(ranks, tmp_path) -> None:
+    # Rank 1 sets it after step 3: step 4 tells every rank and is discarded, as if a single process
+    # had stopped after step 3.
+    assert ranks.run(stop_requested_on_one_rank, str(tmp_path)) == [3, 3]
+
+
+def test_should_stop_in_one_process_stops_after_that_step(tmp_path) -> None:
+    assert stop_requested_on_one_rank(str(tmp_path), "single", 0) == 3
 
 
 def early_stopping(tmp: str) -> tuple[int, int | None]:
@@ -744,10 +817,14 @@ def run_job(
     return result
 
 
-def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_and_exits_zero(ranks, tmp_path) -> None:
-    # `python train_job.py`: fit() starts 2 workers itself. Rank 1 gets SIGTERM after step 3; every
-    # rank finishes step 4, a checkpoint of step 4 is saved, and the launching process exits 0 with
-    # rank 0's weights of step 4 loaded into its model.
+def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_exits_zero_and_resumes_exactly(
+    ranks, tmp_path
+) -> None:
+    # `python train_job.py`: fit() starts 2 workers itself. Rank 1 gets SIGTERM after step 3; step 4
+    # tells every rank and is discarded, a checkpoint of step 3 is saved, and the launching process
+    # exits 0 with rank 0's weights of step 3 loaded into its model. Run again, the job resumes
+    # from step 3 and ends with the weights of an uninterrupted run: the discarded step gave its
+    # batches and its dropout draws back.
     result = run_job(
         [
             sys.executable,
@@ -762,15 +839,24 @@ def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_and_exits_zero(ranks, 
         job_env(),
     )
     assert result.returncode == 0
-    assert "SIGTERM received: saving a checkpoint at step 4" in result.stderr
+    assert "SIGTERM received: saving a checkpoint at step 3" in result.stderr
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert steps == ["step_000000002", "step_000000004"]
+    assert steps == ["step_000000002", "step_000000003"]
     saved = torch.load(tmp_path / "weights.pt")
-    assert saved["world_size"] == 2 and saved["step"] == 4
-    checkpoint = distkit.load_checkpoint(tmp_path / "checkpoints" / "step_000000004", map_location="cpu")
-    expected = ranks.run(reference_weights, str(tmp_path / "reference"), 4)[0]
+    assert saved["world_size"] == 2 and saved["step"] == 3
+    checkpoint = distkit.load_checkpoint(tmp_path / "checkpoints" / "step_000000003", map_location="cpu")
+    expected = ranks.run(reference_weights, str(tmp_path / "reference3"), 3)[0]
     for name, tensor in saved["weights"].items():
         assert torch.equal(tensor, checkpoint["model"][name]), name
+        assert torch.equal(tensor, expected[name]), name
+
+    resumed = run_job([sys.executable, str(SCRIPTS / "train_job.py"), str(tmp_path), "8"], job_env())
+    assert resumed.returncode == 0
+    assert "resumed at step 3" in resumed.stdout
+    saved = torch.load(tmp_path / "weights.pt")
+    assert saved["step"] == 8
+    expected = ranks.run(reference_weights, str(tmp_path / "reference8"), 8)[0]
+    for name, tensor in saved["weights"].items():
         assert torch.equal(tensor, expected[name]), name
 
 

@@ -72,10 +72,6 @@ class Precision:
         else:
             self.scaler.scale(loss).backward()
 
-    def loss_scale(self) -> float:
-        """The factor the current step's losses were multiplied by before backward (1 unless fp16)."""
-        return 1.0 if self.scaler is None else float(self.scaler.get_scale())
-
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale before clipping (fp16 only)."""
         if self.scaler is not None:

@@ -4,18 +4,22 @@ public helpers only (a user who outgrows it can read :meth:`Trainer.fit` and wri
 One optimizer step, in every strategy::
 
     for each micro-batch (no_sync on all but the last under DDP):
-        with autocast:  total = wrapped(batch)      # loss_fn(model(x), y) or training_step(...)
-        backward(total / accumulate_grad_batches)   # through the GradScaler under fp16
-    read the probe's gradient                       # the step's loss averaged over ranks
-    if it is finite: unscale once, clip, step, schedule; else agree and skip (or stop)
+        with autocast:  loss = wrapped(batch)        # loss_fn(model(x), y) or training_step(...)
+        value = loss.item()                          # where a hand-written loop reads it
+        backward(loss / accumulate_grad_batches)     # through the GradScaler under fp16;
+                                                     # poisoned if value is nan/inf or a stop is due
+    read one element of one gradient (the sentinel)  # all-reduced: the same on every rank
+    if it is finite: unscale once, clip, step, schedule; else agree why, then skip or stop
 
-The probe is a zero scalar parameter added to the wrapped module, and ``total`` is
-``loss + probe * loss.detach()``: the same value as the loss and the same gradients for the model,
-while the probe's gradient is the loss itself. DDP averages it with the model's gradients in the
-same all-reduce, so after backward every rank holds the job's mean loss, and a non-finite loss on
-any rank makes it non-finite on every rank: all ranks skip the same steps without an extra
-collective. A rank that must stop (SIGTERM, ``should_stop``) feeds ``inf`` instead, and only then
-do the ranks exchange one small message to learn why.
+Ranks agree without a collective of their own. A rank whose loss is not finite, or that must stop
+(SIGTERM, ``should_stop``), poisons its backward pass: a one-off gradient hook on every parameter
+turns its gradients to nan before DDP all-reduces them. The all-reduce carries the nan to every
+rank, so every rank sees the sentinel go non-finite after the same backward, and only then do the
+ranks exchange one small message to learn why. Normal steps run no extra operation besides reading
+the sentinel. DDP without ``find_unused_parameters``/``static_graph`` makes every rank use every
+parameter in every step, so one element of one parameter suffices; otherwise the first element of
+every gradient is read. A stop request costs the step it travels in: that step is discarded (its
+batches and random draws are given back) and training stops after the step before it.
 """
 
 from __future__ import annotations
@@ -61,24 +65,19 @@ class _Preempted(SystemExit):
 
 
 class _StepModule(nn.Module):
-    """What the strategy wraps: the user's module and loss, plus the probe (see the module docs)."""
+    """What the strategy wraps: the user's module and its loss (``training_step`` or ``loss_fn``)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, *, per_device: bool):
         super().__init__()
         self.module = module
         self.loss_fn = loss_fn
         self.has_training_step = callable(getattr(module, "training_step", None))
-        # Registered after the user's parameters, so DDP's buckets hold those in their usual order.
-        # Never stepped by the optimizer (it is not among the user's parameters), so it stays 0.
-        self.probe = nn.Parameter(torch.zeros(()))
-        # True while this rank wants every rank to stop at the next optimizer step.
-        self.request_stop = False
         # Under nn.DataParallel every device returns 1-element vectors, which it concatenates.
         self.per_device = per_device
         # The batch and loss of a plain model are checked on the first step only (hot path).
         self.checked = False
 
-    def forward(self, batch: Any, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def forward(self, batch: Any, batch_idx: int) -> tuple[torch.Tensor, dict[str, Any]]:
         # _modules/_parameters directly: nn.Module.__getattr__ costs a microsecond per lookup.
         module = self._modules["module"]
         extras: dict[str, Any] = _NO_EXTRAS
@@ -94,29 +93,29 @@ class _StepModule(nn.Module):
             if not self.checked:
                 _check_loss(loss)
                 self.checked = True
-        detached = loss.detach()
-        code = detached + math.inf if self.request_stop else detached
-        # loss + 0 * loss: the loss's value and gradients, and d(total)/d(probe) = the loss.
-        total = torch.addcmul(loss, self._parameters["probe"], code)
         if self.per_device:
             # nn.DataParallel gathers tensors only: numbers travel as 1-element tensors too.
             extras = {k: torch.as_tensor(v, device=loss.device).reshape(1) for k, v in extras.items()}
-            return total.reshape(1), detached.reshape(1), extras
-        return total, detached, extras
+            return loss.reshape(1), extras
+        return loss, extras
 
     # Called once per micro-batch by the Trainer, DDP or DataParallel, and never hooked: skip
-    # nn.Module.__call__'s hook dispatch (about as costly as the probe itself on a small model).
+    # nn.Module.__call__'s hook dispatch (measurable on an overhead-bound model).
     __call__ = forward
 
 
 _NO_EXTRAS: dict[str, Any] = {}
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: one fewer object per micro-batch
 
 
-def _mean_over_devices(
-    total: torch.Tensor, loss: torch.Tensor, extras: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def _mean_over_devices(loss: torch.Tensor, extras: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     # nn.DataParallel concatenated one value per GPU; the batch's value is their mean.
-    return total.mean(), loss.mean(), {k: v.mean() for k, v in extras.items()}
+    return loss.mean(), {k: v.mean() for k, v in extras.items()}
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    # The gradient hook of a poisoned backward pass (see the module docs).
+    return torch.full_like(grad, math.nan)
 
 
 def _check_loss(loss: Any) -> None:
@@ -212,6 +211,22 @@ class _Counters:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.trainer.skipped_steps = int(state["skipped_steps"])
+
+
+class _GivenBack:
+    """A distkit loader's state as if a discarded step's batches had not been handed out."""
+
+    def __init__(self, loader: Any, batches: int) -> None:
+        self.loader, self.batches = loader, batches
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.loader.state_dict())
+        if "batches_consumed" in state:  # a DistributedLoader; other loaders' states are kept
+            state["batches_consumed"] -= self.batches
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
 
 
 class _CallbackStates:
@@ -448,7 +463,6 @@ class Trainer:
         self._should_stop = False
         self._plan: strategies._Plan | None = None
         self._step_module: _StepModule | None = None
-        self._probe: nn.Parameter | None = None  # the step module's probe, without Module.__getattr__
         self._wrapped: nn.Module | None = None
         self._precision: Precision | None = None
         self._train_loader: Any = None
@@ -467,13 +481,28 @@ class Trainer:
         # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
         self._batches_done = 0
         self._epoch_finished = False
-        # Stop requests: SIGTERM seen on this rank; agreed by the job; handled (checkpoint saved).
+        # Stop requests: this rank wants every rank to stop (SIGTERM or should_stop); SIGTERM seen on
+        # this rank; agreed by the job; handled (checkpoint saved).
+        self._request_stop = False
         self._preempt_requested = False
         self._job_preempt = False
         self._preempted = False
         self._nonfinite_run: list[int] = []
-        # Training loss since the last logging step and over the epoch (job means, read from the
-        # probe), and extra training_step metrics as on-device sums.
+        # What a poisoned backward pass turns to nan, and what is read to see it: one element of the
+        # sentinel's gradient, or of every gradient when some parameters may go unused in a step.
+        self._params: list[nn.Parameter] = []
+        self._sentinel: nn.Parameter | None = None
+        self._sentinel_is_vector = False
+        self._scan_all = False
+        # The generators a forward pass draws from (CPU, and this rank's CUDA device), their states
+        # at the start of the step in flight (given back when a stop request discards that step),
+        # and the batches a discarded step gave back to the loader.
+        self._generators: list[torch.Generator] = []
+        self._states_at_step: list[torch.Tensor] = []
+        self._given_back = 0
+        # Training loss since the last logging step and over the epoch (this rank's step losses, as
+        # Python floats: reduced across ranks when logged), and extra training_step metrics as
+        # on-device sums.
         self._window_sum = 0.0
         self._window_count = 0
         self._epoch_sum = 0.0
@@ -492,8 +521,8 @@ class Trainer:
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
         self._should_stop = bool(value)
-        if value and self._step_module is not None:
-            self._step_module.request_stop = True
+        if value:
+            self._request_stop = True
 
     @property
     def is_main_process(self) -> bool:
@@ -636,10 +665,23 @@ class Trainer:
         self.model = model
         self._precision = Precision(self.precision, self.device)
         self._step_module = _StepModule(model, self._loss_fn, per_device=plan.kind == "dp")
-        self._probe = self._step_module.probe
         self._wrapped = strategies.wrap(self._step_module, plan, self.device)
         self.optimizer = self._make_optimizer(model, optimizer)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        # Gradients the optimizer clears every step (a frozen-but-grad parameter outside it would
+        # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
+        # step in which a rank leaves a parameter unused, so one sentinel is then enough.
+        # A one-dimensional sentinel (a bias) is the cheapest to read: grad[0].item().
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        candidates = [p for p in self._params if id(p) in stepped and p.numel() > 0]
+        self._sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim()), default=None)
+        self._sentinel_is_vector = self._sentinel is not None and self._sentinel.dim() == 1
+        self._scan_all = plan.kind == "ddp" and (plan.ddp.find_unused_parameters or plan.ddp.static_graph)
+        self._generators = [torch.default_generator]
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._generators.append(torch.cuda.default_generators[index])
 
         # Under DP one loader batch is split over the GPUs, each of which gets `batch_size`.
         self._replicas = len(plan.cuda_indices) if plan.kind == "dp" else self.world_size
@@ -791,7 +833,8 @@ class Trainer:
         if self._precision is not None and self._precision.scaler is not None:
             state["scaler"] = self._precision.scaler
         if callable(getattr(self._train_loader, "state_dict", None)):
-            state["train_loader"] = self._train_loader
+            loader = self._train_loader
+            state["train_loader"] = _GivenBack(loader, self._given_back) if self._given_back else loader
         return state
 
     def _checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -869,8 +912,8 @@ class Trainer:
         iterator: Iterable[Any] = iter(loader)
         if first and not callable(getattr(loader, "load_state_dict", None)):
             iterator = itertools.islice(iterator, first, None)
-        # The hot loop reads locals only: attribute lookups and calls cost as much as the probe
-        # on an overhead-bound model (benchmarks/bench_trainer.py).
+        # The hot loop reads locals only: on an overhead-bound model attribute lookups and calls are
+        # a visible share of the step (benchmarks/bench_trainer.py).
         wrapped, precision, device = self._wrapped, self._precision, self.device
         assert wrapped is not None and precision is not None and device is not None
         move = device.type != "cpu"
@@ -879,41 +922,57 @@ class Trainer:
         per_device = isinstance(wrapped, nn.DataParallel)
         plain = precision.dtype is None and precision.scaler is None
         last_index = self._num_batches - 1
+        generators = self._generators
+        one_generator = len(generators) == 1
+        cpu_generator = generators[0]
         micro_losses: list[torch.Tensor] = []
+        micro_sum = 0.0
         for batch_idx, batch in enumerate(iterator, start=first):
             if move:
                 batch = _to_device(batch, device)
+            if accumulate == 1 or not micro_losses:
+                # The step's first micro-batch: what a stop request would give back (about 1 us).
+                self._states_at_step = (
+                    [cpu_generator.get_state()] if one_generator else [gen.get_state() for gen in generators]
+                )
             sync = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx == last_index
-            if plain and sync:
-                total, loss, extras = wrapped(batch, batch_idx)
-                if per_device:
-                    total, loss, extras = _mean_over_devices(total, loss, extras)
-                (total / accumulate if accumulate > 1 else total).backward()
-            else:
-                with wrapped.no_sync() if ddp and not sync else contextlib.nullcontext():  # type: ignore[operator]
+            with wrapped.no_sync() if ddp and not sync else _NULL_CONTEXT:  # type: ignore[operator]
+                if plain:
+                    loss, extras = wrapped(batch, batch_idx)
+                else:
                     with precision.autocast():
-                        total, loss, extras = wrapped(batch, batch_idx)
-                    if per_device:
-                        total, loss, extras = _mean_over_devices(total, loss, extras)
-                    precision.backward(total / accumulate if accumulate > 1 else total)
+                        loss, extras = wrapped(batch, batch_idx)
+                if per_device:
+                    loss, extras = _mean_over_devices(loss, extras)
+                # The one host sync of a micro-batch, after the forward pass.
+                value = loss.item()
+                scaled = loss / accumulate if accumulate > 1 else loss
+                if self._request_stop or not math.isfinite(value):
+                    self._poisoned_backward(scaled)
+                else:
+                    precision.backward(scaled)
             if extras:
                 self._add_extras(extras)
             self._batches_done = batch_idx + 1
-            if accumulate > 1:
-                micro_losses.append(loss)
-                if not sync:
-                    continue
-                loss = torch.stack(micro_losses).mean()
-                micro, micro_losses = len(micro_losses), []
-            else:
-                micro = 1
-            if self._optimizer_step(loss, micro):
+            if accumulate == 1:
+                if self._optimizer_step(loss.detach(), value, 1):
+                    break
+                continue
+            micro_losses.append(loss.detach())
+            micro_sum += value
+            if not sync:
+                continue
+            micro = len(micro_losses)
+            step_loss, step_value = torch.stack(micro_losses).mean(), micro_sum / micro
+            micro_losses, micro_sum = [], 0.0
+            if self._optimizer_step(step_loss, step_value, micro):
                 break
-        if self._preempted:
-            return
-        self._epoch_finished = self._batches_done >= self._num_batches
-        self._end_epoch()
+        if not self._preempted:
+            self._epoch_finished = self._batches_done >= self._num_batches
+            self._end_epoch()
         del iterator
+        # The pass is over, so the loader has moved on by itself: nothing more to give back.
+        self._given_back = 0
 
     def _add_extras(self, extras: Mapping[str, Any]) -> None:
         for name, value in extras.items():
@@ -921,33 +980,55 @@ class Trainer:
             self._extra_sums[name] = self._extra_sums.get(name, 0.0) + value
         self._extra_count += 1
 
-    def _optimizer_step(self, loss: torch.Tensor, micro: int) -> bool:
-        """Take (or skip) the optimizer step after the last micro-batch; True when training stops now."""
-        probe, precision, optimizer = self._probe, self._precision, self.optimizer
-        assert probe is not None and precision is not None and optimizer is not None
-        grad = probe.grad
-        # The step's one host sync: the job's mean loss, non-finite if any rank's loss was or if
-        # some rank asked to stop.
-        value = 0.0 if grad is None else grad.item()
-        probe.grad = None
+    def _poisoned_backward(self, loss: torch.Tensor) -> None:
+        """Backward with every gradient of this rank turned to nan: the other ranks see it in the
+        all-reduce and agree on the rare path (see the module docs)."""
+        assert self._precision is not None
+        handles = [p.register_hook(_poison) for p in self._params]
+        try:
+            self._precision.backward(loss)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _scan_gradients(self) -> float:
+        """The sentinel's stand-in when it got no gradient or some parameters may go unused."""
+        firsts = [p.grad.reshape(-1)[0].float() for p in self._params if p.grad is not None and p.numel() > 0]
+        # Under find_unused_parameters a rank's poison reaches the parameters that rank used; the
+        # sum of first elements is nan if any of them is.
+        return torch.stack(firsts).sum().item() if firsts else 0.0
+
+    def _optimizer_step(self, loss: torch.Tensor, value: float, micro: int) -> bool:
+        """Take, skip or discard the optimizer step after the last micro-batch; True when training
+        stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
+        precision, optimizer = self._precision, self.optimizer
+        assert precision is not None and optimizer is not None
         take_step, stop = True, False
-        if math.isfinite(value):
+        # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
+        grad = None if self._scan_all or self._sentinel is None else self._sentinel.grad
+        if grad is None:
+            flag = self._scan_gradients()
+        else:
+            flag = (grad[0] if self._sentinel_is_vector else grad.reshape(-1)[0]).item()
+        if math.isfinite(flag):
             if self._nonfinite_run:
                 self._nonfinite_run.clear()
-            if precision.scaler is not None:
-                value /= precision.loss_scale()
-            if micro != self.accumulate_grad_batches:  # a short last accumulation of the epoch
-                value *= self.accumulate_grad_batches / micro
             self._window_sum += value
             self._window_count += 1
             self._epoch_sum += value
             self._epoch_count += 1
         else:
-            take_step, stop = self._agree(loss)
+            take_step, stop = self._agree(value, micro)
+            if take_step is None:  # discarded for a stop request
+                if self._job_preempt:
+                    self._preempt()
+                return True
 
+        if take_step and self.gradient_clip_val is not None and not self._clip_gradients():
+            take_step = precision.scaler is not None  # the scaler skips it and lowers its scale
+            if not take_step:
+                self._skip("the gradients' norm was non-finite (every loss was finite)", [])
         if take_step:
-            if self.gradient_clip_val is not None:
-                self._clip_gradients()
             if precision.scaler is None:
                 optimizer.step()
             else:
@@ -966,71 +1047,87 @@ class Trainer:
             return True
         return stop or self._finished()
 
-    def _clip_gradients(self) -> None:
+    def _clip_gradients(self) -> bool:
+        """Clip (unscaling first under fp16); False when the gradients' norm is not finite."""
         assert self._precision is not None and self.optimizer is not None and self.model is not None
         self._precision.unscale(self.optimizer)  # fp16: exactly once per optimizer step
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.gradient_clip_algorithm == "norm":
-            nn.utils.clip_grad_norm_(params, self.gradient_clip_val)  # type: ignore[arg-type]
-        else:
-            nn.utils.clip_grad_value_(params, self.gradient_clip_val)  # type: ignore[arg-type]
+            # The same on every rank (the gradients are all-reduced), so every rank decides alike.
+            norm = nn.utils.clip_grad_norm_(params, self.gradient_clip_val)  # type: ignore[arg-type]
+            return math.isfinite(norm.item())
+        nn.utils.clip_grad_value_(params, self.gradient_clip_val)  # type: ignore[arg-type]
+        return True
 
-    def _count_loss(self, job_loss: float) -> None:
-        # The rare path's twin of the bookkeeping inlined in _optimizer_step.
-        self._window_sum += job_loss
-        self._window_count += 1
-        self._epoch_sum += job_loss
-        self._epoch_count += 1
+    def _agree(self, value: float, micro: int) -> tuple[bool | None, bool]:
+        """The rare path, when the sentinel is not finite: learn why from every rank and decide.
 
-    def _agree(self, loss: torch.Tensor) -> tuple[bool, bool]:
-        """The rare path, when the probe is not finite: learn why from every rank and decide.
-
-        Collective: one small gather, reached by every rank at the same step because the probe's
-        gradient is the same on every rank. Returns ``(take_step, stop_now)``.
+        Collective: one small gather, reached by every rank at the same step because the sentinel
+        is the same on every rank. Returns ``(take_step, stop_now)``; ``take_step`` is ``None`` when
+        a stop request discarded the step (its batches and RNG draws are given back).
         """
-        step_module = self._step_module
-        assert step_module is not None
-        local_loss = float(loss)
-        mine = (local_loss, self._preempt_requested, step_module.request_stop and not self._preempt_requested)
-        step_module.request_stop = False
+        mine = (value, self._preempt_requested, self._request_stop and not self._preempt_requested)
         everyone = all_gather_object(mine)
-        bad = [rank for rank, (value, _, _) in enumerate(everyone) if not math.isfinite(value)]
-        self._job_preempt = any(preempt for _, preempt, _ in everyone)
-        stop = any(flag for _, _, flag in everyone)
+        bad = [rank for rank, (loss, _, _) in enumerate(everyone) if not math.isfinite(loss)]
+        preempt = any(flag for _, flag, _ in everyone)
+        stop = preempt or any(flag for _, _, flag in everyone)
+        self._request_stop = False
+        if stop and not bad:
+            self._discard(micro, preempt)
+            return None, True
         if stop:
             self._should_stop = True
-        if not bad:
-            # Only a stop request made the probe non-finite: the losses themselves are fine.
+            self._job_preempt = preempt
+        if bad:
+            self._skip(f"non-finite loss on rank(s) {bad}", bad)
+            return False, stop
+        # Every loss finite, no stop: the gradients themselves overflowed. Under fp16 that is the
+        # scaler's business (it skips the step and lowers the scale); otherwise skip the step.
+        if self._precision is not None and self._precision.scaler is not None:
             self._nonfinite_run.clear()
-            self._count_loss(sum(value for value, _, _ in everyone) / len(everyone))
-            return True, stop
+            return True, False
+        self._skip("non-finite gradients (every loss was finite)", [])
+        return False, False
+
+    def _discard(self, micro: int, preempt: bool) -> None:
+        """Undo the step in flight for a stop request: no update, its batches and RNG draws back."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._params:
+            p.grad = None  # also the poisoned ones the optimizer does not hold
+        for generator, state in zip(self._generators, self._states_at_step, strict=True):
+            generator.set_state(state)
+        self._batches_done -= micro
+        self._given_back = micro
+        self._should_stop = True
+        self._job_preempt = preempt
+
+    def _skip(self, why: str, ranks: list[int]) -> None:
+        """Count a step skipped on every rank; raise after ``max_consecutive_nonfinite`` in a row."""
+        assert self.optimizer is not None
+        for p in self._params:
+            if p.grad is not None and not math.isfinite(p.grad.reshape(-1)[0].item()):
+                p.grad = None  # a poisoned gradient the optimizer does not clear
         step = self.global_step + 1
         self.skipped_steps += 1
         self._nonfinite_run.append(step)
-        _log.warning(
-            "step %d skipped on every rank: non-finite loss on rank(s) %s (%d in a row)",
-            step,
-            bad,
-            len(self._nonfinite_run),
-        )
+        _log.warning("step %d skipped on every rank: %s (%d in a row)", step, why, len(self._nonfinite_run))
         if len(self._nonfinite_run) >= self.max_consecutive_nonfinite:
+            where = f", last on rank(s) {ranks}" if ranks else ""
             raise DistkitError(
-                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the loss was non-finite (nan or "
-                f"inf) for {len(self._nonfinite_run)} consecutive optimizer steps {self._nonfinite_run}, "
-                f"last on rank(s) {bad}; every rank skipped them. Lower the learning rate, set "
-                f"gradient_clip_val, check the data for nan/inf, or use precision='bf16-mixed' instead of "
-                f"'16-mixed'; raise max_consecutive_nonfinite (now {self.max_consecutive_nonfinite}) to "
-                f"tolerate longer runs."
+                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the loss or gradients were "
+                f"non-finite (nan or inf) for {len(self._nonfinite_run)} consecutive optimizer steps "
+                f"{self._nonfinite_run}{where}; every rank skipped them ({why}). Lower the learning "
+                f"rate, set gradient_clip_val, check the data for nan/inf, or use "
+                f"precision='bf16-mixed' instead of '16-mixed'; raise max_consecutive_nonfinite (now "
+                f"{self.max_consecutive_nonfinite}) to tolerate longer runs."
             )
-        return False, stop
 
     def _log_step(self) -> None:
-        metrics: dict[str, float] = {
-            "train_loss": self._window_sum / self._window_count if self._window_count else math.nan
-        }
-        if self._extra_sums:
-            # The logging step's only collective: every extra training metric at once.
-            metrics.update(reduce_metrics({k: (v, self._extra_count) for k, v in self._extra_sums.items()}))
+        local: dict[str, Any] = {"train_loss": (self._window_sum, float(self._window_count))}
+        local.update({k: (v, float(self._extra_count)) for k, v in self._extra_sums.items()})
+        # The logging step's one collective: the loss and every extra training metric at once.
+        metrics = reduce_metrics(local)
         metrics["epoch"] = float(self.current_epoch)
         metrics["skipped_steps"] = float(self.skipped_steps)
         self._window_sum, self._window_count = 0.0, 0
@@ -1050,9 +1147,10 @@ class Trainer:
             self._val_loader is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch == 0
         )
         local = self._validate() if validate else {}
-        # The epoch end's one collective for metrics: every validation sum and count at once.
-        metrics = reduce_metrics(local) if local else {}
-        metrics["train_loss_epoch"] = self._epoch_sum / self._epoch_count if self._epoch_count else math.nan
+        local["train_loss_epoch"] = (self._epoch_sum, float(self._epoch_count))
+        # The epoch end's one collective for metrics: the training loss and every validation sum
+        # and count at once.
+        metrics = reduce_metrics(local)
         metrics["epoch"] = float(self.current_epoch)
         self.callback_metrics.update(metrics)
         if validate:
@@ -1122,10 +1220,9 @@ class Trainer:
                 signal.signal(signal.SIGTERM, previous)
                 signal.raise_signal(signal.SIGTERM)
                 return
-            # Only flags: the step in flight finishes, then every rank agrees through the probe.
+            # Only flags: the next backward pass tells every rank (see the module docs).
             self._preempt_requested = True
-            if self._step_module is not None:
-                self._step_module.request_stop = True
+            self._request_stop = True
 
         signal.signal(signal.SIGTERM, on_sigterm)
         return previous
