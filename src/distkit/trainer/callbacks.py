@@ -31,9 +31,10 @@ class Callback:
 
     Hooks run on every rank (a hook that writes files should check ``trainer.is_main_process``).
     Metrics passed to hooks are reduced across ranks and identical on every rank. A callback that
-    sets ``trainer.should_stop = True`` stops training on every rank at the next optimizer step (at
-    the latest at the end of the epoch). Callbacks with state implement :meth:`state_dict` and
-    :meth:`load_state_dict`; checkpoints then carry it.
+    sets ``trainer.should_stop = True`` stops training on every rank after the current optimizer
+    step: the next step tells the other ranks and is discarded (see ``docs/trainer.md``).
+    Callbacks with state implement :meth:`state_dict` and :meth:`load_state_dict`; checkpoints then
+    carry it.
 
     Example:
         >>> import distkit

@@ -289,13 +289,13 @@ class Trainer:
         seed: ``distkit.seed_everything(seed)`` at the start of ``fit``, and the seed of the
             loaders ``fit`` makes; ``None`` leaves the RNGs alone and the loaders on distkit's
             default seed (``seed_everything``'s, else 0).
-        max_consecutive_nonfinite: Consecutive optimizer steps with a non-finite loss (skipped on
-            every rank) after which ``fit`` raises.
+        max_consecutive_nonfinite: Consecutive optimizer steps with a non-finite loss or gradient
+            norm (skipped on every rank) after which ``fit`` raises.
 
     Attributes:
         global_step: Optimizer steps taken or skipped so far.
         current_epoch: The epoch being trained (0-based); after ``fit``, the completed epochs.
-        should_stop: Set to ``True`` (e.g. from a callback) to stop on every rank at the next step.
+        should_stop: Set to ``True`` (e.g. from a callback) to stop every rank after this step.
         callback_metrics: The latest logged metrics, reduced across ranks.
         skipped_steps: Steps skipped because a loss was non-finite on some rank.
 
@@ -515,7 +515,7 @@ class Trainer:
 
     @property
     def should_stop(self) -> bool:
-        """Whether training stops; setting it to ``True`` stops every rank at the next optimizer step."""
+        """Whether training stops; setting it to ``True`` stops every rank after the current step."""
         return self._should_stop
 
     @should_stop.setter
@@ -585,12 +585,14 @@ class Trainer:
                 ``val_<name>`` beside ``val_loss``.
 
         Raises:
-            DistkitError: The loss was non-finite for ``max_consecutive_nonfinite`` consecutive
-                steps (the message lists them), the strategy does not fit the job, or the objects
-                cannot be sent to the processes ``fit`` starts.
+            DistkitError: The loss (or, when clipping by norm, the gradients) was non-finite for
+                ``max_consecutive_nonfinite`` consecutive steps (the message lists them), the
+                strategy does not fit the job, or the objects cannot be sent to the processes
+                ``fit`` starts.
             TypeError, ValueError: A misshapen argument (the message names it).
-            SystemExit: Code 0 after a SIGTERM on any rank: every rank finished the step it was in,
-                a checkpoint was saved, and the process should exit (a scheduler requeues it).
+            SystemExit: Code 0 after a SIGTERM on any rank: every rank stopped after the same
+                completed step, a checkpoint of it was saved, and the process should exit (a
+                scheduler requeues it).
 
         Example:
             >>> trainer.fit(model, train_set, val_set, optimizer=lambda p: torch.optim.SGD(p, 0.1),
