@@ -408,21 +408,21 @@ def test_validation_metrics_are_exact_over_every_sample_once(ranks, tmp_path) ->
 # Stopping together
 
 
-class StopAfterStep3(Callback):
-    """Sets should_stop on one rank only, after step 3."""
+class StopAfterStep(Callback):
+    """Sets should_stop on one rank only, after the given step."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, step: int = 3) -> None:
+        self.rank, self.step = rank, step
 
     def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
-        if distkit.get_rank() == self.rank and trainer.global_step == 3:
+        if distkit.get_rank() == self.rank and trainer.global_step == self.step:
             trainer.should_stop = True
 
 
 def stop_requested_on_one_rank(tmp: str, strategy: str = "ddp", rank: int = 1) -> int:
     torch.manual_seed(0)
     model = SimpleModel()
-    trainer = quiet_trainer(tmp, strategy=strategy, max_epochs=5, callbacks=[StopAfterStep3(rank)])
+    trainer = quiet_trainer(tmp, strategy=strategy, max_epochs=5, callbacks=[StopAfterStep(rank)])
     trainer.fit(
         model,
         RandomDataset(20, 640),
@@ -475,17 +475,28 @@ class DropoutModel(nn.Module):
         return self.net(x)
 
 
-def resumable_run(directory: str, max_steps: int, resume: str | None) -> torch.Tensor:
+def resumable_run(
+    directory: str,
+    max_steps: int,
+    resume: str | None,
+    accumulate: int = 1,
+    stop_after: int | None = None,
+    every: tuple[int | None, int] = (3, 0),
+) -> torch.Tensor:
     torch.manual_seed(0)
     model = DropoutModel()
+    callbacks: list[Callback] = [ModelCheckpoint(every_n_steps=every[0], every_n_epochs=every[1])]
+    if stop_after is not None:
+        callbacks.insert(0, StopAfterStep(1, stop_after))
     trainer = quiet_trainer(
         directory,
         strategy="ddp",
         max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
         seed=3,
         resume=resume,
         enable_checkpointing=True,
-        callbacks=[ModelCheckpoint(every_n_steps=3, every_n_epochs=0)],
+        callbacks=callbacks,
     )
     trainer.fit(
         model,
@@ -503,6 +514,21 @@ def test_resume_auto_continues_exactly_where_the_checkpoint_stopped(ranks, tmp_p
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_000000003"]
     resumed = ranks.run(resumable_run, str(tmp_path / "b"), 8, "auto")
     # Dropout draws from the restored RNG and step 4 starts mid-epoch: equal only if both resumed.
+    for want, got in zip(uninterrupted, resumed, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_stop_request_gives_back_the_discarded_steps_batches_and_random_draws(ranks, tmp_path) -> None:
+    # 5 batches per epoch and rank, 2 per step: steps 1-3 are epoch 0, steps 4-6 epoch 1. Rank 1
+    # asks to stop after step 4; step 5 (batches 2 and 3 of epoch 1, two dropout draws) is discarded
+    # and the epoch-end checkpoint records epoch 1 after batch 1. Resumed, the job ends with the
+    # weights of a run that never stopped.
+    kwargs = {"accumulate": 2, "every": (None, 1)}
+    uninterrupted = ranks.run(resumable_run, str(tmp_path / "a"), 8, None, **kwargs)
+    ranks.run(resumable_run, str(tmp_path / "b"), 8, None, stop_after=4, **kwargs)
+    checkpoints = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert checkpoints == ["step_000000003", "step_000000004"]
+    resumed = ranks.run(resumable_run, str(tmp_path / "b"), 8, "auto", **kwargs)
     for want, got in zip(uninterrupted, resumed, strict=True):
         assert torch.equal(got, want)
 
