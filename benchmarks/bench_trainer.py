@@ -1,6 +1,6 @@
 """Per-step time of distkit.Trainer against the hand-written DDP loop of seed 002, gloo, 2 CPU ranks.
 
-Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer.py [--blocks 10]
+Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer.py [--blocks 80]
 
 Two models: a tiny MLP (32->64->10, batch 32: overhead-bound, about 2 ms a step here) and a
 1.6 M-parameter MLP (256->1024->1024->256->10, batch 128: compute-bound). Both loops run in the same
@@ -164,7 +164,7 @@ def _worker(rank: int, port: int, blocks: int, queue: mp.Queue) -> None:  # type
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=20, help="timed blocks per loop and model")
+    parser.add_argument("--blocks", type=int, default=40, help="timed blocks per loop and model")
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
