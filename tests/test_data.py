@@ -653,3 +653,37 @@ def test_linear_warmup_ramps_to_the_target_and_checkpoints() -> None:
     assert distkit.linear_warmup(torch.optim.SGD([param], lr=0.8), warmup_steps=0).get_last_lr() == [0.8]
     with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
         distkit.linear_warmup(optimizer, warmup_steps=-1)
+
+
+class NoisyTensors(torch.utils.data.TensorDataset):
+    """A TensorDataset subclass that augments: it must keep its per-batch random streams."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        (x,) = super().__getitem__(i)
+        return (x + torch.rand(()),)
+
+
+def noisy_collate(samples: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    return torch.stack([x for (x,) in samples]) + torch.rand(len(samples))
+
+
+@pytest.mark.parametrize(
+    "dataset, collate_fn",
+    [
+        (NoisyTensors(torch.arange(8.0)), None),
+        (torch.utils.data.TensorDataset(torch.arange(8.0)), noisy_collate),
+        (torch.utils.data.Subset(NoisyTensors(torch.arange(8.0)), range(6)), None),
+    ],
+    ids=["augmenting-subclass", "random-collate", "subset-of-subclass"],
+)
+def test_batches_that_draw_keep_their_streams_when_in_memory_data_skips_them(dataset, collate_fn) -> None:
+    # Plain in-memory data (TensorDataset, tensors, lists) draws nothing and skips the per-batch
+    # stream; anything that may draw keeps it, so its batches ignore the training process's RNG.
+    def batches(global_seed: int) -> list[torch.Tensor]:
+        loader = distkit.distributed_dataloader(dataset, 4, seed=1, collate_fn=collate_fn)
+        torch.manual_seed(global_seed)
+        return [batch[0] if isinstance(batch, list) else batch for batch in loader]
+
+    first, second = batches(0), batches(1)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not torch.equal(first[0], torch.arange(4.0))  # the noise is there

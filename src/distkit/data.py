@@ -353,17 +353,27 @@ def _init_worker(
         user_fn(worker_id)
 
 
+def _draws_nothing(dataset: Any) -> bool:
+    """Whether fetching from ``dataset`` provably uses no RNG: a ``TensorDataset``, a tensor, a list,
+    tuple or range, or a ``Subset`` of one. Exact types only: a subclass may augment."""
+    if type(dataset) is torch.utils.data.Subset:
+        return _draws_nothing(dataset.dataset)
+    return type(dataset) in (torch.utils.data.TensorDataset, torch.Tensor, list, tuple, range)
+
+
 class _SeededDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Fetches and collates one batch on that batch's own random stream.
 
     The inner DataLoader's batch sampler yields ``(stream_seed, indices)``; torch hands that item
-    to ``__getitems__`` unchanged, in a worker or in the training process.
+    to ``__getitems__`` unchanged, in a worker or in the training process. Batches that provably
+    draw nothing (in-memory data, torch's default collate) skip the stream.
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> None:
         self.dataset = dataset
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
         self._batched = bool(getattr(dataset, "__getitems__", None))
+        self._no_stream = collate_fn is None and _draws_nothing(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -377,6 +387,8 @@ class _SeededDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitems__(self, item: tuple[int, list[int]]) -> Any:
         stream_seed, indices = item
+        if self._no_stream:
+            return self._fetch(indices)
         if get_worker_info() is not None:
             # A worker process: its RNGs serve data loading only.
             _apply_stream_seed(stream_seed)
@@ -528,7 +540,7 @@ class DistributedLoader:
         # the global RNG, so loading never shifts the training process's random streams.
         self._generator = torch.Generator()
         self.dataloader = DataLoader(
-            _SeededDataset(dataset, collate_fn or torch.utils.data.default_collate),
+            _SeededDataset(dataset, collate_fn),
             batch_sampler=self._plan,
             num_workers=num_workers,
             collate_fn=_identity,
