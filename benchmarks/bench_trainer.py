@@ -3,9 +3,12 @@
 Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer.py [--blocks 80]
 
 Two models: a tiny MLP (32->64->10, batch 32: overhead-bound, about 2 ms a step here) and a
-1.6 M-parameter MLP (256->1024->1024->256->10, batch 128: compute-bound). Both loops run in the same
-two processes on the same DataLoader (DistributedSampler), model size and optimizer (Adam), block by
-block, alternating which goes first, so drifts in machine speed hit both alike. A block times the
+1.6 M-parameter MLP (256->1024->1024->256->10, batch 128: compute-bound). Three loops run in the
+same two processes with the same model size and optimizer (Adam): the hand-written loop and the
+Trainer on the same DataLoader (DistributedSampler), which isolates what the Trainer adds to a step,
+and the Trainer given the TensorDataset itself, which it loads with distributed_dataloader (what
+`fit(model, dataset)` costs, the loader included). They run block by block, reversing the order
+every block, so drifts in machine speed hit all alike. A block times the
 steps after its first three (set-up: DDP rebuilds its buckets after its first backward). Each block
 wraps the model in a new DDP, in the Trainer's fit and in the hand-written loop alike. The
 hand-written step is seed 002's: zero_grad, forward, loss, backward, step, loss.item(). The Trainer
@@ -102,8 +105,8 @@ def _per_step(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _trainer_block(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, root: str
-) -> list[tuple[float, float]]:  # type: ignore[type-arg]
+    model: nn.Module, optimizer: torch.optim.Optimizer, data: object, steps: int, batch_size: int, root: str
+) -> list[tuple[float, float]]:
     from distkit.trainer import Callback, Trainer
 
     class Stamps(Callback):
@@ -116,15 +119,27 @@ def _trainer_block(
     stamps = Stamps()
     trainer = Trainer(
         strategy="ddp",
-        max_steps=len(loader),
+        max_steps=steps,
+        batch_size=batch_size,
         default_root_dir=root,
         enable_checkpointing=False,
         enable_progress_bar=False,
         callbacks=[stamps],
     )
     with contextlib.redirect_stdout(io.StringIO()):  # the start-up report, once per block
-        trainer.fit(model, loader, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+        trainer.fit(model, data, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
     return _per_step(stamps.stamps)
+
+
+# The hand-written loop; the Trainer on the same DataLoader (what the Trainer adds to a step); the
+# Trainer given the dataset, which it loads with distributed_dataloader (what a user of fit(model,
+# dataset) gets, the loader's own cost included).
+LOOPS = ("hand-written", "Trainer", "Trainer on the dataset")
+
+
+def _seeded(factory: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return factory()
 
 
 def _worker(rank: int, port: int, blocks: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -137,22 +152,20 @@ def _worker(rank: int, port: int, blocks: int, queue: mp.Queue) -> None:  # type
     results: dict[str, dict[str, list[list[tuple[float, float]]]]] = {}
     with tempfile.TemporaryDirectory() as root:
         for name, (factory, features, batch_size, steps) in MODELS.items():
-            torch.manual_seed(0)
-            own_model = factory()
-            torch.manual_seed(0)
-            hand_model = factory()
             loader = _loader(features, batch_size, steps, rank)
-            hand_optimizer = torch.optim.Adam(hand_model.parameters(), lr=1e-3)
-            trainer_optimizer = torch.optim.Adam(own_model.parameters(), lr=1e-3)
-            times: dict[str, list[list[tuple[float, float]]]] = {"hand-written": [], "Trainer": []}
+            models = {way: _seeded(factory) for way in LOOPS}
+            optimizers = {way: torch.optim.Adam(models[way].parameters(), lr=1e-3) for way in LOOPS}
+            times: dict[str, list[list[tuple[float, float]]]] = {way: [] for way in LOOPS}
             for block in range(blocks + 1):
-                order = list(times) if block % 2 == 0 else list(reversed(times))
+                order = list(LOOPS) if block % 2 == 0 else list(reversed(LOOPS))
                 for way in order:
                     distkit.barrier()
-                    if way == "Trainer":
-                        per_step = _trainer_block(own_model, trainer_optimizer, loader, root)
+                    model, optimizer = models[way], optimizers[way]
+                    if way == "hand-written":
+                        per_step = _handwritten_block(model, optimizer, loader)
                     else:
-                        per_step = _handwritten_block(hand_model, hand_optimizer, loader)
+                        data = loader if way == "Trainer" else loader.dataset
+                        per_step = _trainer_block(model, optimizer, data, len(loader), batch_size, root)
                     if block:  # block 0 warms both up (imports, allocator, first DDP buckets)
                         times[way].append(per_step)
             results[name] = times
@@ -182,26 +195,33 @@ def main() -> None:
         f"1 thread each); overhead = Trainer / hand-written - 1"
     )
     for name, times in results.items():
-        hand_blocks, our_blocks = times["hand-written"], times["Trainer"]
-        steps = sum(len(block) for block in hand_blocks)
-        print(f"{name}: {steps} + {sum(len(block) for block in our_blocks)} timed steps")
-        for clock, label in ((0, "wall"), (1, "CPU")):
-            ratios = [
-                _median_of(ours, clock) / _median_of(hand, clock)
-                for hand, ours in zip(hand_blocks, our_blocks, strict=True)
-            ]
-            hand_all = [step[clock] for block in hand_blocks for step in block]
-            our_all = [step[clock] for block in our_blocks for step in block]
-            pooled = [
-                f"{q_name} {_quantile(hand_all, q) * 1e3:.3f} / {_quantile(our_all, q) * 1e3:.3f} ms "
-                f"({100 * (_quantile(our_all, q) / _quantile(hand_all, q) - 1):+.1f} %)"
-                for q_name, q in (("median", 0.5), ("lower quartile", 0.25))
-            ]
-            low, mid, high = (100 * (_quantile(ratios, q) - 1) for q in (0.25, 0.5, 0.75))
-            print(
-                f"  {label:4s} overhead {mid:+5.1f} % (median of block ratios; quartiles {low:+.1f} to "
-                f"{high:+.1f} %)   pooled hand-written / Trainer: {'; '.join(pooled)}"
-            )
+        hand_blocks = times["hand-written"]
+        print(f"{name}: {sum(len(block) for block in hand_blocks)} timed steps per loop")
+        for way in LOOPS[1:]:
+            print(f"  {way}:")
+            _print_overhead(hand_blocks, times[way])
+
+
+def _print_overhead(
+    hand_blocks: list[list[tuple[float, float]]], our_blocks: list[list[tuple[float, float]]]
+) -> None:
+    for clock, label in ((0, "wall"), (1, "CPU")):
+        ratios = [
+            _median_of(ours, clock) / _median_of(hand, clock)
+            for hand, ours in zip(hand_blocks, our_blocks, strict=True)
+        ]
+        hand_all = [step[clock] for block in hand_blocks for step in block]
+        our_all = [step[clock] for block in our_blocks for step in block]
+        pooled = [
+            f"{q_name} {_quantile(hand_all, q) * 1e3:.3f} / {_quantile(our_all, q) * 1e3:.3f} ms "
+            f"({100 * (_quantile(our_all, q) / _quantile(hand_all, q) - 1):+.1f} %)"
+            for q_name, q in (("median", 0.5), ("lower quartile", 0.25))
+        ]
+        low, mid, high = (100 * (_quantile(ratios, q) - 1) for q in (0.25, 0.5, 0.75))
+        print(
+            f"    {label:4s} overhead {mid:+5.1f} % (median of block ratios; quartiles {low:+.1f} to "
+            f"{high:+.1f} %)   pooled hand-written / this: {'; '.join(pooled)}"
+        )
 
 
 def _median_of(block: list[tuple[float, float]], clock: int) -> float:
