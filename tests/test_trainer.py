@@ -599,24 +599,10 @@ def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match)
         Trainer(**options)
 
 
-def single_strategy_in_a_ddp_job(tmp: str) -> str:
+def refusal_in_a_ddp_job(tmp: str, strategy: str, devices: int | str) -> str:
     model = SimpleModel()
     try:
-        quiet_trainer(tmp, strategy="single", max_steps=1).fit(
-            model,
-            RandomDataset(20, 64),
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            loss_fn=nn.functional.cross_entropy,
-        )
-    except DistkitError as err:
-        return str(err)
-    return "no error"
-
-
-def wrong_device_count_in_a_ddp_job(tmp: str) -> str:
-    model = SimpleModel()
-    try:
-        quiet_trainer(tmp, strategy="ddp", devices=4, max_steps=1).fit(
+        quiet_trainer(tmp, strategy=strategy, devices=devices, max_steps=1).fit(
             model,
             RandomDataset(20, 64),
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -628,9 +614,9 @@ def wrong_device_count_in_a_ddp_job(tmp: str) -> str:
 
 
 def test_strategy_that_does_not_fit_the_launched_job_is_refused(ranks, tmp_path) -> None:
-    for message in ranks.run(single_strategy_in_a_ddp_job, str(tmp_path)):
+    for message in ranks.run(refusal_in_a_ddp_job, str(tmp_path), "single", "auto"):
         assert "strategy='single' runs in one process, but this process is rank" in message
-    for message in ranks.run(wrong_device_count_in_a_ddp_job, str(tmp_path)):
+    for message in ranks.run(refusal_in_a_ddp_job, str(tmp_path), "ddp", 4):
         assert "devices=4 but the env job runs 2 process(es) on this node" in message
 
 
