@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import distkit
 
@@ -87,6 +88,79 @@ def pair_kind_mismatch() -> str:
 def test_same_name_as_pair_and_number_is_rejected(ranks) -> None:
     for message in ranks.run(pair_kind_mismatch, world_size=2):
         assert "'acc' is a (sum, count) pair on rank(s) [0] only" in message
+        assert "op differs" not in message and "different order" not in message
+
+
+def keys_in_rank_order() -> str:
+    metrics = {"loss": 1.0, "acc": 0.5} if distkit.get_rank() == 0 else {"acc": 0.5, "loss": 1.0}
+    try:
+        distkit.reduce_metrics(metrics)
+    except distkit.DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+def test_same_keys_in_a_different_order_are_named_as_such(ranks) -> None:
+    for message in ranks.run(keys_in_rank_order, world_size=2):
+        assert "rank 1 has 'acc' at position 0 where rank 0 has 'loss'" in message
+        assert "lacks" not in message and "op differs" not in message
+
+
+def ops_by_rank(ops: list[str], keys_by_rank: list[list[str]] | None = None) -> str:
+    rank = distkit.get_rank()
+    names = keys_by_rank[rank] if keys_by_rank else ["loss"]
+    try:
+        distkit.reduce_metrics({name: float(rank) for name in names}, op=ops[rank])
+    except distkit.DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        ["sum", "max"],  # reduced with different ReduceOps (SUM against MAX)
+        ["mean", "sum"],  # the same ReduceOp, different results
+        ["max", "min"],
+        ["mean", "mean", "sum"],
+        ["sum", "min", "sum"],
+        ["max", "max", "mean"],
+    ],
+)
+def test_op_that_differs_between_ranks_is_named_per_rank_on_every_rank(ranks, ops) -> None:
+    world_size = len(ops)
+    each = ", ".join(f"rank {rank} op={op!r}" for rank, op in enumerate(ops))
+    messages = ranks.run(ops_by_rank, ops, world_size=world_size, timeout_s=60)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"[rank {rank}/{world_size}] reduce_metrics()"), message
+        assert f"op differs between ranks: {each}" in message, message
+        assert "Every rank must pass the same op." in message, message
+        assert "different order" not in message and "lacks" not in message
+
+
+def test_op_and_keys_that_both_differ_are_both_named(ranks) -> None:
+    messages = ranks.run(ops_by_rank, ["sum", "max"], [["loss"], ["acc"]], world_size=2)
+    for message in messages:
+        assert "op differs between ranks: rank 0 op='sum', rank 1 op='max'" in message
+        assert "rank 0 lacks ['acc']" in message and "rank 1 lacks ['loss']" in message
+
+
+def spelled_differently(op_by_rank: list[object]) -> dict[str, float]:
+    rank = distkit.get_rank()
+    return distkit.reduce_metrics({"x": float(rank + 1)}, op=op_by_rank[rank])
+
+
+def test_op_spellings_of_torch_and_ignite_are_the_same_op_on_every_rank(ranks) -> None:
+    # Different spellings of one op must agree in the header, not raise a mismatch.
+    cases = {
+        "min": ["MIN", "min", dist.ReduceOp.MIN],
+        "max": [dist.ReduceOp.MAX, "Max", "max"],
+        "sum": ["SUM", dist.ReduceOp.SUM, "Sum"],
+        "mean": ["mean", "AVG", dist.ReduceOp.AVG],
+    }
+    expected = {"min": 1.0, "max": 3.0, "sum": 6.0, "mean": 2.0}
+    for name, spellings in cases.items():
+        assert ranks.run(spelled_differently, spellings, world_size=3) == [{"x": expected[name]}] * 3
 
 
 def uneven_gather() -> tuple[list[list[list[float]]], list[int], list[float]]:
@@ -145,6 +219,81 @@ def test_object_collectives_and_flags_agree_on_every_rank(ranks) -> None:
         }
 
 
+def all_reduce_spellings() -> dict[str, list[float]]:
+    rank = float(distkit.get_rank() + 1)
+    ops = {"MIN": "MIN", "Sum": "Sum", "avg": "avg", "PRODUCT": "PRODUCT"}
+    ops |= {f"ReduceOp.{op}": getattr(dist.ReduceOp, op) for op in ("SUM", "AVG", "MAX", "PRODUCT")}
+    ops["ReduceOp(MIN)"] = dist.ReduceOp(dist.ReduceOp.MIN)
+    return {name: distkit.all_reduce(torch.tensor([rank]), op=op).tolist() for name, op in ops.items()}
+
+
+def test_all_reduce_takes_any_case_and_reduce_op_members(ranks) -> None:
+    for result in ranks.run(all_reduce_spellings, world_size=3):
+        assert result == {
+            "MIN": [1.0],
+            "Sum": [6.0],
+            "avg": [2.0],
+            "PRODUCT": [6.0],
+            "ReduceOp.SUM": [6.0],
+            "ReduceOp.AVG": [2.0],
+            "ReduceOp.MAX": [3.0],
+            "ReduceOp.PRODUCT": [6.0],
+            "ReduceOp(MIN)": [1.0],
+        }
+
+
+def all_reduce_non_tensors() -> list[str]:
+    messages = []
+    for value in (10, "x"):
+        try:
+            distkit.all_reduce(value)  # type: ignore[arg-type]
+        except TypeError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_all_reduce_of_a_non_tensor_names_the_type_and_fix_on_ranks(ranks) -> None:
+    for messages in ranks.run(all_reduce_non_tensors, world_size=2):
+        assert len(messages) == 2, messages
+        assert messages[0].startswith("all_reduce() needs a torch.Tensor, got int: 10.")
+        assert messages[1].startswith("all_reduce() needs a torch.Tensor, got str: 'x'.")
+        assert "torch.tensor(value)" in messages[0] and "reduce_metrics" in messages[0]
+
+
+@pytest.mark.parametrize("value", [10, "x", 2.5, [1.0, 2.0]])
+def test_non_tensors_are_refused_with_the_fix_in_a_world_of_one(value) -> None:
+    type_name = type(value).__name__
+    with pytest.raises(
+        TypeError, match=rf"all_reduce\(\) needs a torch.Tensor, got {type_name}.*torch.tensor"
+    ):
+        distkit.all_reduce(value)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=rf"all_gather\(\) needs a torch.Tensor, got {type_name}.*all_gather_object"
+    ):
+        distkit.all_gather(value)  # type: ignore[arg-type]
+
+
+def test_op_names_any_case_and_reduce_op_members_in_a_world_of_one() -> None:
+    assert distkit.reduce_metrics({"x": 2.0}, op="MAX") == {"x": 2.0}
+    assert distkit.reduce_metrics({"x": 2.0}, op=dist.ReduceOp.AVG) == {"x": 2.0}
+    assert distkit.all_reduce(torch.tensor([3]), op="Sum").tolist() == [3]
+    assert distkit.all_reduce(torch.tensor([3.0]), op=dist.ReduceOp.PRODUCT).tolist() == [3.0]
+    with pytest.raises(
+        ValueError, match=r"reduce_metrics\(\) op must be one of .* got torch.distributed.ReduceOp.PRODUCT"
+    ):
+        distkit.reduce_metrics({"x": 1.0}, op=dist.ReduceOp.PRODUCT)
+    with pytest.raises(
+        ValueError, match=r"all_reduce\(\) op must be one of .* got torch.distributed.ReduceOp.BAND"
+    ):
+        distkit.all_reduce(torch.tensor([1]), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match=r"op must be one of 'mean', 'sum', 'max', 'min' .* got 'median'"):
+        distkit.reduce_metrics({"x": 1.0}, op="median")
+    with pytest.raises(TypeError, match=r"op must be a name such as 'sum' .* got int: 3"):
+        distkit.all_reduce(torch.tensor([1.0]), op=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="op='mean' needs a floating-point tensor"):
+        distkit.all_reduce(torch.tensor([1]), op=dist.ReduceOp.AVG)
+
+
 def test_world_of_one_collectives_keep_their_return_types() -> None:
     t = torch.ones(2, 2)
     assert distkit.all_reduce(t, op="mean") is t
@@ -162,6 +311,6 @@ def test_bad_metric_values_say_what_to_pass() -> None:
     with pytest.raises(TypeError, match="metric 'x' must be a number"):
         distkit.reduce_metrics({"x": "high"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="op must be"):
-        distkit.reduce_metrics({"x": 1.0}, op="avg")
+        distkit.reduce_metrics({"x": 1.0}, op="average")
     with pytest.raises(TypeError, match="op='mean' needs a floating-point tensor"):
         distkit.all_reduce(torch.tensor([1]), op="mean")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,10 +39,11 @@ MetricValue = float | int | bool | torch.Tensor | tuple[Any, Any]
 # still send tensors of the same size and the mismatch is caught by the header instead of hanging
 # the collective. 256 slots (2 KiB) cost the same as one scalar on gloo: latency dominates.
 _BLOCK = 256
-# The key-set fingerprint travels as four 16-bit chunks: their squares summed over up to 2**21 ranks
-# stay below 2**53, so float64 sums are exact and the equality test below is exact.
+# The fingerprint of the key set and the op travels as four 16-bit chunks: their squares summed over
+# up to 2**21 ranks stay below 2**53, so float64 sums are exact and the equality test below is exact.
 _CHUNKS = 4
-_HEADER = 2 * _CHUNKS
+# The chunks, their squares (or negatives), and one flag telling SUM-reduced ops from MAX-reduced ones.
+_HEADER = 2 * _CHUNKS + 1
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -49,6 +51,55 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+# torch's enum, for callers who pass it. AVG is "mean": a sum divided by the world size, because
+# gloo has no AVG. PREMUL_SUM and the bitwise ops have no distkit name: call torch.distributed.
+_REDUCE_OP_NAMES = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "mean",
+    dist.ReduceOp.PRODUCT: "product",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+}
+# reduce_metrics() reduces these with SUM, the others (max, min) with MAX.
+_SUM_REDUCED = ("mean", "sum")
+
+# What ``op`` may be: a name (any case) or a member of ``torch.distributed.ReduceOp``.
+_Op = str | dist.ReduceOp | dist.ReduceOp.RedOpType
+
+
+def _op_name(op: _Op, allowed: tuple[str, ...], fn: str) -> str:
+    """The lower-case distkit name of ``op``, or an error listing what ``fn`` accepts."""
+    # ReduceOp(ReduceOp.SUM) wraps the enum member. The members pass isinstance(op, ReduceOp)
+    # too, so they are recognised first.
+    if not isinstance(op, dist.ReduceOp.RedOpType) and isinstance(op, dist.ReduceOp):
+        op = op.op
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        name, shown = _REDUCE_OP_NAMES.get(op), f"torch.distributed.ReduceOp.{op.name}"
+    elif isinstance(op, str):
+        # torch's functional collectives and ignite spell ops "avg", "SUM", "MIN": any case works,
+        # and "avg" is torch's name for the mean.
+        name, shown = ("mean" if op.lower() == "avg" else op.lower()), repr(op)
+    else:
+        raise TypeError(
+            f"{fn} op must be a name such as 'sum' or a torch.distributed.ReduceOp member, got "
+            f"{type(op).__name__}: {reprlib.repr(op)}."
+        )
+    if name not in allowed:
+        members = "/".join(k.name for k, v in _REDUCE_OP_NAMES.items() if v in allowed)
+        raise ValueError(
+            f"{fn} op must be one of {', '.join(map(repr, allowed))} (any case; 'avg' is 'mean') or "
+            f"torch.distributed.ReduceOp.{members}, got {shown}."
+        )
+    return name
+
+
+def _require_tensor(fn: str, value: object, fix: str) -> None:
+    # Checked before anything else, also in a world of one: a number or a string would otherwise
+    # pass through unchanged there and fail deep inside torch.distributed in a real job.
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{fn} needs a torch.Tensor, got {type(value).__name__}: {reprlib.repr(value)}. {fix}"
+        )
 
 
 def _group_for(tensor: torch.Tensor) -> Any:
@@ -57,10 +108,19 @@ def _group_for(tensor: torch.Tensor) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _header(signature: tuple[tuple[str, bool], ...], squares: bool) -> tuple[float, ...]:
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+def _header(signature: tuple[tuple[str, bool], ...], op: str) -> tuple[float, ...]:
+    # The op is part of the fingerprint, so ranks with the same keys and different ops disagree.
+    # That alone is enough between ops reduced alike (mean/sum, or max/min). Between the two
+    # families the ranks would run one all_reduce with different ReduceOps, where each element may
+    # be combined by any mix of + and max depending on gloo's algorithm, and ranks may see
+    # different results. The flag settles that for any mix: SUM-reduced ops send 1 and expect W,
+    # MAX-reduced ops send 0 and expect 0. Any tree of + and max over non-negative values lies
+    # between their max and their sum, so with both families present every rank sees a flag
+    # between 1 and W - 1, which no rank expects.
+    use_sum = op in _SUM_REDUCED
+    digest = hashlib.blake2b(repr((op, signature)).encode(), digest_size=8).digest()
     chunks = [float(int.from_bytes(digest[2 * i : 2 * i + 2], "little")) for i in range(_CHUNKS)]
-    return (*chunks, *(c * c if squares else -c for c in chunks))
+    return (*chunks, *(c * c if use_sum else -c for c in chunks), 1.0 if use_sum else 0.0)
 
 
 def _to_float(key: str, value: Any) -> float | torch.Tensor:
@@ -121,31 +181,55 @@ def _unflatten(
     return out
 
 
-def _explain_key_mismatch(signature: Sequence[tuple[str, bool]]) -> DistkitError:
+def _explain_mismatch(signature: Sequence[tuple[str, bool]], op: str) -> DistkitError:
     # Only reached when every rank saw the mismatch in the header, so every rank is here too.
-    everyone = all_gather_object(list(signature))
-    kinds = [dict(sig) for sig in everyone]
-    union = sorted(set().union(*kinds))
+    everyone = all_gather_object((op, list(signature)))
     lines = []
+    fixes = []
+    ops = [rank_op for rank_op, _ in everyone]
+    if len(set(ops)) > 1:
+        each = ", ".join(f"rank {rank} op={rank_op!r}" for rank, rank_op in enumerate(ops))
+        lines.append(f"op differs between ranks: {each}")
+        fixes.append("the same op")
+    signatures = [sig for _, sig in everyone]
+    kinds = [dict(sig) for sig in signatures]
+    union = sorted(set().union(*kinds))
+    key_lines = []
     for rank, have in enumerate(kinds):
         missing = [k for k in union if k not in have]
         if missing:
-            lines.append(f"rank {rank} lacks {missing}")
+            key_lines.append(f"rank {rank} lacks {missing}")
     for key in union:
         seen = {rank: kinds[rank][key] for rank in range(len(kinds)) if key in kinds[rank]}
         if len(set(seen.values())) > 1:
             pairs = [r for r, p in seen.items() if p]
-            lines.append(f"{key!r} is a (sum, count) pair on rank(s) {pairs} only")
-    if not lines:
-        lines.append("the keys come in a different order on some ranks")
+            key_lines.append(f"{key!r} is a (sum, count) pair on rank(s) {pairs} only")
+    if key_lines:
+        fixes.append("the same names, each as the same kind (number or (sum, count) pair)")
+    else:
+        # Same names and kinds: what is left to differ is their order.
+        names = [[key for key, _ in sig] for sig in signatures]
+        for rank, order in enumerate(names):
+            if order != names[0]:
+                at = next(i for i, (a, b) in enumerate(zip(order, names[0], strict=True)) if a != b)
+                key_lines.append(
+                    f"the keys come in a different order: rank {rank} has {order[at]!r} at position "
+                    f"{at} where rank 0 has {names[0][at]!r}"
+                )
+                fixes.append("the names in the same order (build the mapping the same way)")
+                break
+    lines.extend(key_lines)
+    if not lines:  # unreachable while the header is a function of (op, signature) alone
+        lines.append("the header differed although op, names, kinds and order agree")
+        fixes.append("the same arguments")
     return DistkitError(
         f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] reduce_metrics() was called with "
-        f"different metrics on different ranks: {'; '.join(lines)}. Every rank must pass the same "
-        f"names, each as the same kind (number or (sum, count) pair)."
+        f"different arguments on different ranks: {'; '.join(lines)}. Every rank must pass "
+        f"{' and '.join(fixes)}."
     )
 
 
-def reduce_metrics(metrics: Mapping[str, MetricValue], op: str = "mean") -> dict[str, float]:
+def reduce_metrics(metrics: Mapping[str, MetricValue], op: _Op = "mean") -> dict[str, float]:
     """Reduce a whole mapping of metrics across ranks in one collective.
 
     Collective: call on every rank with the same names. Without a process group it returns the
@@ -154,27 +238,29 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: str = "mean") -> dict
     A value is a number, a one-element tensor, or a ``(sum, count)`` pair. Pairs always reduce to
     the exact weighted mean ``sum(sums) / sum(counts)`` (``nan`` when the total count is 0), the
     same number one process would compute over all samples. ``op`` applies to plain numbers:
-    ``"mean"`` (over ranks), ``"sum"``, ``"max"`` or ``"min"``. Names that differ between ranks are
-    detected inside the same collective and raise on every rank, naming the names.
+    ``"mean"`` (over ranks), ``"sum"``, ``"max"`` or ``"min"``. Names, kinds or ops that differ
+    between ranks are detected inside the same collective and raise on every rank, naming them.
 
     Args:
         metrics: Metric names to values.
-        op: How to combine plain numbers.
+        op: How to combine plain numbers: a name in any case (``"MAX"`` as ignite spells it;
+            ``"avg"`` is ``"mean"``) or ``torch.distributed.ReduceOp.SUM``, ``AVG`` (the mean),
+            ``MAX`` or ``MIN``.
 
     Returns:
         Names to reduced floats, in the order given.
 
     Raises:
-        DistkitError: Ranks passed different names or kinds.
+        DistkitError: Ranks passed different names, kinds or ops.
         ValueError: ``op`` is unknown, or a tensor has more than one element.
+        TypeError: ``op`` is neither a name nor a ``ReduceOp``, or a value is not a number.
 
     Example:
         >>> import distkit
         >>> distkit.reduce_metrics({"loss": 0.25, "acc": (90, 100)})
         {'loss': 0.25, 'acc': 0.9}
     """
-    if op not in ("mean", "sum", "max", "min"):
-        raise ValueError(f"op must be 'mean', 'sum', 'max' or 'min', got {op!r}.")
+    op = _op_name(op, ("mean", "sum", "max", "min"), "reduce_metrics()")
     signature, values = _flatten(metrics)
     if op in ("max", "min") and any(is_pair for _, is_pair in signature):
         raise ValueError(
@@ -187,11 +273,12 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: str = "mean") -> dict
         return _unflatten(signature, values, op, 1)
 
     group = runtime._cpu_group()
-    use_sum = op in ("mean", "sum")
+    use_sum = op in _SUM_REDUCED
     reduce_op = dist.ReduceOp.SUM if use_sum else dist.ReduceOp.MAX
     # SUM: sum(c) == W*c and sum(c^2) == W*c^2 hold on a rank only if every rank has the same c
     # (equality in Cauchy-Schwarz). MAX: max(c) == c and max(-c) == -c mean min == max == c.
-    header = _header(signature, use_sum)
+    # The last slot (1 or 0) tells the two apart; see _header.
+    header = _header(signature, op)
     expected = [h * world_size for h in header] if use_sum else list(header)
     n_blocks = max(1, -(-len(values) // _BLOCK))
     padded = values + [0.0] * (n_blocks * _BLOCK - len(values))
@@ -204,13 +291,13 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: str = "mean") -> dict
         flat = buffer.tolist()
         if block == 0:
             if flat[:_HEADER] != expected:
-                raise _explain_key_mismatch(signature)
+                raise _explain_mismatch(signature, op)
             flat = flat[_HEADER:]
         reduced.extend(flat)
     return _unflatten(signature, reduced, op, world_size)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: _Op = "sum") -> torch.Tensor:
     """Reduce ``tensor`` in place across ranks and return it.
 
     Collective: call on every rank with tensors of the same shape and dtype. Without a process
@@ -218,23 +305,31 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
     Args:
         tensor: The tensor to reduce; CPU tensors travel over gloo even when the job uses NCCL.
-        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``. ``"mean"`` is a sum
-            divided by the world size (gloo has no AVG), so it needs a floating-point tensor.
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"product"``, in any case
+            (``"avg"`` is ``"mean"``), or ``torch.distributed.ReduceOp.SUM``, ``AVG``, ``MAX``,
+            ``MIN`` or ``PRODUCT``. ``"mean"`` is a sum divided by the world size (gloo has no
+            AVG), so it needs a floating-point tensor.
 
     Returns:
         ``tensor``, now holding the reduced values.
 
     Raises:
         ValueError: ``op`` is unknown.
-        TypeError: ``"mean"`` on an integer tensor.
+        TypeError: ``tensor`` is not a tensor, ``op`` is neither a name nor a ``ReduceOp``, or
+            ``"mean"`` on an integer tensor.
 
     Example:
         >>> import torch, distkit
         >>> distkit.all_reduce(torch.tensor([1.0, 2.0]), op="mean")
         tensor([1., 2.])
     """
-    if op != "mean" and op not in _OPS:
-        raise ValueError(f"op must be one of {['mean', *_OPS]}, got {op!r}.")
+    _require_tensor(
+        "all_reduce()",
+        tensor,
+        "It reduces a tensor in place: pass torch.tensor(value) and read the result from it, or "
+        "use distkit.reduce_metrics({'name': value}) for plain numbers.",
+    )
+    op = _op_name(op, ("sum", "mean", "max", "min", "product"), "all_reduce()")
     if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(
             f"op='mean' needs a floating-point tensor, got {tensor.dtype}; convert it with "
@@ -283,12 +378,18 @@ def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
     Raises:
         DistkitError: Ranks disagree on dtype, number of dimensions or trailing dimensions.
+        TypeError: ``tensor`` is not a tensor.
 
     Example:
         >>> import torch, distkit
         >>> [t.shape for t in distkit.all_gather(torch.zeros(3, 2))]
         [torch.Size([3, 2])]
     """
+    _require_tensor(
+        "all_gather()",
+        tensor,
+        "Pass torch.tensor(value), or use distkit.all_gather_object() for any picklable object.",
+    )
     world_size = runtime.get_world_size()
     if world_size == 1:
         return [tensor]
