@@ -149,7 +149,9 @@ def test_second_init_with_other_settings_is_a_clear_error(ranks) -> None:
 def late_rank_barrier(late_rank: int, timeout_s: float) -> tuple[float, list[int] | None, str]:
     if distkit.get_rank() == late_rank:
         time.sleep(timeout_s + 2)
-        # Arrive late; the others have given up, so every key but ours is already there.
+        # Arrive late; the others have given up, so every key but ours is already there. Arriving
+        # keeps the pool in step: every rank has made the same barrier calls.
+        distkit.barrier(timeout_s=timeout_s)
         return 0.0, None, ""
     start = time.monotonic()
     try:

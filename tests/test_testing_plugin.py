@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -79,6 +80,28 @@ def return_unpicklable() -> object:
 def print_hello() -> int:
     print(f"hello from rank {dist.get_rank()}")
     return 0
+
+
+def send_from_rank_0_to_every_rank() -> float:
+    # Uneven point-to-point traffic: rank 0 issues world_size - 1 sends, every other rank one recv.
+    if dist.get_rank() == 0:
+        for dst in range(1, dist.get_world_size()):
+            dist.send(torch.tensor([10.0 + dst]), dst=dst)
+        return 0.0
+    value = torch.zeros(1)
+    dist.recv(value, src=0)
+    return value.item()
+
+
+def monitored_barrier() -> None:
+    # gloo runs it as point-to-point messages to and from rank 0: uneven counts as well.
+    dist.monitored_barrier(timeout=timedelta(seconds=60))
+
+
+def leave_async_all_reduce_on_rank_0_of_a_subgroup() -> None:
+    subgroup = dist.new_group([0, 1])  # collective: every rank creates it
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), group=subgroup, async_op=True)  # never waited for
 
 
 def launcher_view_then_init(tag: str) -> dict[str, object]:
@@ -250,7 +273,32 @@ def test_nccl_without_enough_gpus_skips_with_a_reason(ranks: Ranks) -> None:
         ranks.run(pid, backend="nccl", world_size=2)
 
 
-# -- inner pytest sessions: skip and hang ---------------------------------------------------------
+def test_unmatched_collective_on_a_subgroup_fails_naming_rank_and_group_and_pool_is_rebuilt(
+    ranks: Ranks,
+) -> None:
+    first = ranks.run(pid, world_size=3)
+    with pytest.raises(RankFailedError) as info:
+        ranks.run(leave_async_all_reduce_on_rank_0_of_a_subgroup, world_size=3)
+    assert [(f.rank, f.kind) for f in info.value.failures] == [(0, "unmatched")]
+    message = str(info.value)
+    assert "leave_async_all_reduce_on_rank_0_of_a_subgroup() on 3 ranks returned, but left an " in message
+    assert "unmatched collective behind" in message
+    assert "[rank 0/3] issued 1 more operation(s) on process group" in message
+    assert "of ranks [0, 1] than rank 1 in this call (1 against 0)" in message
+    assert ranks.run(all_reduce_rank, world_size=3) == [3.0, 3.0, 3.0]
+    assert set(ranks.run(pid, world_size=3)).isdisjoint(first)
+
+
+def test_uneven_point_to_point_traffic_is_not_taken_for_an_unmatched_collective(ranks: Ranks) -> None:
+    first = ranks.run(pid, world_size=3)
+    for _ in range(2):  # the second time, the counts the first check settled are the baseline
+        assert ranks.run(send_from_rank_0_to_every_rank, world_size=3) == [0.0, 11.0, 12.0]
+        ranks.run(monitored_barrier, world_size=3)
+        assert ranks.run(all_reduce_rank, world_size=3) == [3.0, 3.0, 3.0]
+    assert ranks.run(pid, world_size=3) == first  # the same, healthy pool throughout
+
+
+# -- inner pytest sessions: skip, hang, unmatched collectives -------------------------------------
 
 
 def test_pytest_skip_on_every_rank_skips_the_test(pytester: pytest.Pytester) -> None:
@@ -303,6 +351,97 @@ def test_hung_rank_fails_only_its_test_with_every_rank_stack_and_next_test_passe
     assert "[rank 0/2] still running" in output and "[rank 1/2] still running" in output
     # Rank 1's stack shows where it sleeps; rank 0's shows the barrier it waits in.
     assert output.count("in hang_on_rank_1") >= 2 and "in barrier" in output
+
+
+_LEFTOVERS = """
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import distkit
+
+
+def async_all_reduce_on(leaving):
+    if dist.get_rank() in leaving:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited for
+
+
+def timed_out_wait_on_rank_0():
+    if dist.get_rank() == 0:
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=1))  # the other ranks never start it
+        except RuntimeError:
+            pass  # swallowed: the all_reduce stays pending
+
+
+def distkit_barrier_on_rank_0():
+    if dist.get_rank() == 0:
+        try:
+            distkit.barrier(timeout_s=1)  # the other ranks never arrive
+        except distkit.CollectiveTimeoutError:
+            pass
+
+
+def sum_of_ranks_after_a_barrier():
+    distkit.barrier(timeout_s=20)
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def test_leaves_a_collective_behind(ranks):
+    ranks.run({call}, world_size={world_size})
+
+
+def test_next_gets_clean_ranks(ranks):
+    values = ranks.run(sum_of_ranks_after_a_barrier, world_size={world_size}, timeout_s=20)
+    assert values == [float(sum(range({world_size})))] * {world_size}
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "world_size", "expected"),
+    [
+        (
+            "async_all_reduce_on, [0]",
+            2,
+            ["[rank 0/2] issued 1 more operation(s) on the default process group than rank 1"],
+        ),
+        (
+            "timed_out_wait_on_rank_0",
+            2,
+            ["[rank 0/2] issued 1 more operation(s) on the default process group than rank 1"],
+        ),
+        (
+            "async_all_reduce_on, [0, 2]",
+            3,
+            [
+                "[rank 0/3] issued 1 more operation(s) on the default process group than rank 1",
+                "[rank 2/3] issued 1 more operation(s) on the default process group than rank 1",
+            ],
+        ),
+        (
+            "distkit_barrier_on_rank_0",
+            2,
+            ["[rank 0/2] made 1 more call(s) of distkit's barrier (a store-based collective) than rank 1"],
+        ),
+    ],
+)
+def test_test_that_leaves_an_unmatched_collective_fails_naming_it_and_the_next_test_passes(
+    pytester: pytest.Pytester, call: str, world_size: int, expected: list[str]
+) -> None:
+    pytester.makepyfile(test_inner_leftover=_LEFTOVERS.format(call=call, world_size=world_size))
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        ["*::test_leaves_a_collective_behind FAILED*", "*::test_next_gets_clean_ranks PASSED*"]
+    )
+    output = result.stdout.str()
+    assert "left an unmatched collective behind" in output
+    for line in expected:
+        assert line in output, line
 
 
 # -- without pytest -------------------------------------------------------------------------------

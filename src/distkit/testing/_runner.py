@@ -13,6 +13,7 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import sys
@@ -57,11 +58,17 @@ _KILL_WAIT_S = 5.0
 # Lines of a dead rank's own output quoted in the failure (its last words: a segfault trace, an
 # abort message from C++).
 _TAIL_LINES = 30
+# Deadline of the check all-reduce a pool runs when ranks issued different numbers of operations in
+# a task. Healthy, it is one scalar all-reduce on idle ranks (under a millisecond), so this leaves
+# four orders of magnitude for a loaded machine. It only runs out when an operation the task left
+# pending blocks every rank's check (a broadcast started on one rank only does); other leftovers
+# make the check fail at once.
+_CHECK_TIMEOUT_S = 10.0
 
 # Frames of this file end the interesting part of a rank's stack.
 _WORKER_FRAME = f'File "{_worker.__file__}"'
 
-_FailureKind = Literal["exception", "exit", "timeout", "killed"]
+_FailureKind = Literal["exception", "exit", "timeout", "killed", "unmatched"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,10 @@ class RankFailure:
         rank: The failing rank.
         world_size: Number of ranks in the call.
         kind: ``"exception"`` (the function raised), ``"exit"`` (the process died),
-            ``"timeout"`` (still running at the deadline) or ``"killed"`` (still running when
-            another rank had failed and the grace period ran out).
+            ``"timeout"`` (still running at the deadline), ``"killed"`` (still running when
+            another rank had failed and the grace period ran out) or ``"unmatched"`` (the
+            function returned on a pool rank, but issued more operations on a process group than
+            another rank did: a collective it left unmatched).
         summary: One line, e.g. ``"ValueError: bad shape"`` or ``"exited with code -9 (SIGKILL)"``.
         details: The rank's full traceback (exceptions), its Python stack (timeouts), or the last
             lines of its output (exits); empty when there is nothing to show.
@@ -132,6 +141,8 @@ class _Outcome:
     exitcode: int | None = None
     # Position in the order the parent observed outcomes; unobserved ones sort last, by rank.
     order: float = float("inf")
+    # How far the rank had got when it reported (ready, ok, skip): see _worker.step_state.
+    state: _worker.StepState | None = None
 
 
 def _exit_line(exitcode: int | None) -> str:
@@ -279,6 +290,7 @@ class _Group:
         env: Mapping[str, str] | None,
         grace_s: float,
         start_timeout_s: float,
+        check_in_step: bool = False,
     ) -> None:
         # What the ranks are.
         self.world_size = world_size
@@ -290,6 +302,10 @@ class _Group:
         # False until every rank reported ready, and again after any failure: the group's
         # collectives may then be broken, so it is never reused.
         self.healthy = False
+        # Pools check after each task that no rank left an operation unmatched; the state of each
+        # rank at the last point where they were known to be in step is the baseline.
+        self.check_in_step = check_in_step
+        self._baseline: list[_worker.StepState] = [{} for _ in range(world_size)]
         # Per-rank handles, indexed by rank.
         self.procs: list[BaseProcess] = []
         self.pids: list[int | None] = [None] * world_size
@@ -375,6 +391,7 @@ class _Group:
                 )
             for rank, outcome in enumerate(outcomes):
                 self.pids[rank] = outcome.value
+                self._baseline[rank] = outcome.state or {}
             self.healthy = True
             ok = True
         finally:
@@ -411,6 +428,8 @@ class _Group:
                     ),
                     failures=failures,
                 )
+            if self.check_in_step:
+                self._check_in_step(name, outcomes)
             skipped = [o for o in outcomes if o.kind in ("skip", "xfail")]
             ok = True
             first_skip = min(skipped, key=lambda o: o.order) if skipped else None
@@ -421,6 +440,101 @@ class _Group:
                 # Any failure, and also an interruption here (Ctrl-C, pytest-timeout): the group
                 # may be mid-collective, so it is never reused.
                 self.kill()
+
+    def _check_in_step(self, name: str, outcomes: list[_Outcome]) -> None:
+        """Raise if the task left the ranks out of step; else make their state the new baseline.
+
+        Each rank reported, with its result, how many operations it has issued on each process
+        group (and how often it entered distkit's store-based collectives). When every rank issued
+        as many in this task as the others, the group is in step: no collective or message is
+        needed to know it. Otherwise either point-to-point traffic was uneven (rank 0 sent to
+        two ranks, each of which received once), which is fine, or a collective was left
+        unmatched, which is not; a check all-reduce on the uneven groups tells the two apart.
+        distkit's counters are only ever advanced by collectives, so a difference there is final.
+        """
+        __tracebackhide__ = True  # pytest: show the test, not this plumbing
+        states = [o.state or {} for o in outcomes]
+        uneven = self._uneven(states)
+        if not uneven:
+            self._baseline = states
+            return
+        check_failures: list[RankFailure] = []
+        if all(key[0] == "group" for key in uneven):
+            check_id = secrets.randbelow(2**40) + 1  # W * id stays exact in float64
+            groups = sorted({key[1] for key in uneven})
+            message = pickle.dumps(("check", check_id, groups, _CHECK_TIMEOUT_S))
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(message)
+            checked, _ = self._collect(time.monotonic() + _CHECK_TIMEOUT_S + self.grace_s)
+            check_failures = self._failures(checked)
+            if not check_failures:
+                self._baseline = [o.state or {} for o in checked]
+                return
+        failures = self._unmatched(uneven, check_failures)
+        lines = [
+            f"{name}() on {self.world_size} ranks returned, but left an unmatched collective "
+            f"behind: the ranks are out of step, and the next call on them would hang or compute "
+            f"wrong values."
+        ]
+        lines.extend(f"{f.label} {f.summary}" for f in failures)
+        if check_failures:
+            lines.append("----- the check all-reduce run after the call -----")
+            lines.extend(f"{f.label} {f.summary}" for f in check_failures)
+        lines.append(
+            "Call every collective on every rank of its group, wait for each async_op=True "
+            "collective before returning (work.wait()), and do not swallow a collective's timeout: "
+            "the collective stays pending and meets the next one of the other ranks."
+        )
+        lines.append("The ranks were killed; the next call starts new ones.")
+        raise RankFailedError("\n".join(lines), failures=failures)
+
+    def _uneven(self, states: list[_worker.StepState]) -> dict[tuple[str, ...], dict[int, int]]:
+        """Per counter that advanced differently on different ranks: each rank's advance."""
+        uneven: dict[tuple[str, ...], dict[int, int]] = {}
+        if states == self._baseline:  # nothing issued anywhere: most small tasks, at no cost
+            return uneven
+        for key in sorted(set().union(*states)):
+            # A group is compared among its members; distkit's counters among all ranks.
+            ranks = range(self.world_size)
+            if key[0] == "group":
+                ranks = [rank for rank in ranks if key in states[rank]]
+            advance = {rank: states[rank].get(key, 0) - self._baseline[rank].get(key, 0) for rank in ranks}
+            if len(set(advance.values())) > 1:
+                uneven[key] = advance
+        return uneven
+
+    def _unmatched(
+        self, uneven: dict[tuple[str, ...], dict[int, int]], check_failures: list[RankFailure]
+    ) -> list[RankFailure]:
+        """One failure per rank that issued more operations than the rank that issued fewest."""
+        summaries: dict[int, list[str]] = {}
+        for key, advance in uneven.items():
+            low_rank = min(advance, key=lambda rank: (advance[rank], rank))
+            low = advance[low_rank]
+            for rank, count in advance.items():
+                if count == low:
+                    continue
+                if key[0] == "group":
+                    what = f"issued {count - low} more operation(s) on {key[2]}"
+                else:
+                    what = f"made {count - low} more call(s) of distkit's {key[1]} (a store-based collective)"
+                summaries.setdefault(rank, []).append(
+                    f"{what} than rank {low_rank} in this call ({count} against {low})"
+                )
+        details = {f.rank: f"{f.summary}\n{f.details}".rstrip() for f in check_failures}
+        return [
+            RankFailure(
+                rank=rank,
+                world_size=self.world_size,
+                kind="unmatched",
+                summary="; ".join(summaries[rank]),
+                details=details.get(rank, ""),
+                pid=self._pid(rank),
+                exitcode=None,
+            )
+            for rank in sorted(summaries)
+        ]
 
     def stop(self) -> None:
         """Ask healthy ranks to leave their group and exit; kill whatever is left."""
@@ -538,10 +652,10 @@ class _Group:
             return _Outcome("exit", line=_exit_line(proc.exitcode), text=text, exitcode=proc.exitcode)
         kind = message[0]
         if kind == "ready":
-            return _Outcome("ready", value=message[1])
+            return _Outcome("ready", value=message[1], state=message[2])
         if kind == "ok":
             try:
-                return _Outcome("ok", value=pickle.loads(message[1]))
+                return _Outcome("ok", value=pickle.loads(message[1]), state=message[2])
             except Exception as err:
                 return _Outcome(
                     "error",
@@ -549,7 +663,7 @@ class _Group:
                     f"{type(err).__name__}: {err} (return types the parent can import)",
                 )
         if kind in ("skip", "xfail"):
-            return _Outcome(kind, line=message[1])
+            return _Outcome(kind, line=message[1], state=message[2])
         return _Outcome("error", line=message[1], text=message[2])
 
     def _failures(self, outcomes: list[_Outcome]) -> list[RankFailure]:
@@ -842,7 +956,13 @@ class RankPools:
         self.close()
 
     def _new_group(
-        self, world_size: int, backend: str, *, init: bool, env: Mapping[str, str] | None
+        self,
+        world_size: int,
+        backend: str,
+        *,
+        init: bool,
+        env: Mapping[str, str] | None,
+        check_in_step: bool = False,
     ) -> _Group:
         return _Group(
             world_size,
@@ -851,6 +971,7 @@ class RankPools:
             env=env,
             grace_s=self.grace_s,
             start_timeout_s=self.start_timeout_s,
+            check_in_step=check_in_step,
         )
 
     def _pool(self, world_size: int, backend: str) -> _Group:
@@ -863,7 +984,9 @@ class RankPools:
             return group
         if group is not None:
             group.stop()
-        group = self._new_group(world_size, backend, init=True, env=None)
+        # Fresh groups exit after their one call, so only pools check that a call left no
+        # operation unmatched: the next call would meet it.
+        group = self._new_group(world_size, backend, init=True, env=None, check_in_step=True)
         self._pools[key] = group
         group.start()
         return group

@@ -4,10 +4,14 @@ A rank is started by the parent (``_runner``) through :mod:`multiprocessing` (fo
 platform has it) and talks to it over a pipe with pickled tuples:
 
 parent -> rank: ``("task", sys_path, payload)`` with ``payload = pickle.dumps((fn, args, kwargs))``,
-or ``("stop",)``.
+``("check", check_id, group_names, timeout_s)``, or ``("stop",)``.
 
-rank -> parent: ``("ready", pid)`` once joined, then for each task one of ``("ok", result_bytes)``,
-``("error", exc_line, traceback_text)``, ``("skip", reason)``, ``("xfail", reason)``.
+rank -> parent: ``("ready", pid, state)`` once joined, then for each task one of
+``("ok", result_bytes, state)``, ``("error", exc_line, traceback_text)``, ``("skip", reason, state)``,
+``("xfail", reason, state)``; for a check, ``("ok", pickle.dumps(None), state)`` or an error.
+
+``state`` (see :func:`step_state`) tells the parent how many operations this rank has issued on each
+process group, so that it can see a task that left a collective unmatched.
 
 This module never imports pytest: a rank only meets pytest through the user's own test module.
 """
@@ -24,9 +28,15 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from distkit import runtime
 from distkit.env import _local_job_environ
 
 __all__: list[str] = []
@@ -50,6 +60,12 @@ class WorkerSpec:
 
 # Kept open for the life of the process: faulthandler writes into it from a signal handler.
 _stack_file: TextIO | None = None
+# Group name -> how messages name it; a group's name and ranks never change.
+_group_labels: dict[str, str] = {}
+
+#: One rank's progress: ``("group", name, label)`` -> operations issued on that process group, and
+#: ``("distkit", kind)`` -> calls of distkit's store-based collectives of that kind.
+StepState = dict[tuple[str, ...], int]
 
 
 def job_environ(
@@ -122,6 +138,99 @@ def _outcome(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
+def _groups() -> dict[Any, str]:
+    # Every process group this rank belongs to, with its name (torch's own registry; the default
+    # group included). Groups a rank is not a member of are not listed on that rank.
+    if not dist.is_initialized():
+        return {}
+    return dict(distributed_c10d._world.pg_names)
+
+
+def _label(group: Any, name: str) -> str:
+    label = _group_labels.get(name)
+    if label is None:
+        if group is distributed_c10d._get_default_group():
+            label = "the default process group"
+        else:
+            label = f"process group {name!r} of ranks {dist.get_process_group_ranks(group)}"
+        _group_labels[name] = label
+    return label
+
+
+def step_state() -> StepState:
+    """How far this rank has got, to compare with the other ranks after each task.
+
+    torch's per-group sequence number counts every operation issued on the group (collectives
+    and point-to-point), when it is issued, so an ``async_op=True`` collective that only some
+    ranks started, or one whose wait timed out, shows as a difference between ranks. distkit's
+    store-based collectives (``barrier()``, ``main_process_first()``, checkpoint hand-shakes) number
+    their keys with per-process counters, which must also agree.
+    """
+    state: StepState = {}
+    for group, name in _groups().items():
+        try:
+            count = group._get_sequence_number_for_group()
+        except RuntimeError:  # a backend that does not count operations: this group is not checked
+            continue
+        state[("group", name, _label(group, name))] = count
+    if runtime._runtime is not None:
+        for kind, count in runtime._runtime.counters.items():
+            state[("distkit", kind)] = count
+    return state
+
+
+def _check_in_step(check_id: int, names: list[str], timeout_s: float) -> tuple[Any, ...]:
+    """Run one all-reduce on each named group this rank is in and check its value.
+
+    The parent asks for this when the ranks issued different numbers of operations in a task,
+    which asymmetric point-to-point traffic also causes. An all-reduce of ``check_id`` is matched
+    by tag with the next collective of every other rank: if one rank left a collective pending,
+    that is the one it meets, so the check returns another value, fails, or times out.
+    """
+    by_name = {name: group for group, name in _groups().items()}
+    started = []
+    try:
+        # Started together and then waited, so ranks in different subsets of groups cannot wait
+        # for each other in a cycle.
+        for name in names:
+            group = by_name.get(name)
+            if group is None:
+                continue  # this rank is not a member
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend(group) == "nccl"
+                else torch.device("cpu")
+            )
+            probe = torch.tensor([float(check_id)], dtype=torch.float64, device=device)
+            work = dist.all_reduce(probe, group=group, async_op=True)
+            started.append((_label(group, name), dist.get_world_size(group), probe, work))
+        for label, size, probe, work in started:
+            try:
+                work.wait(timeout=timedelta(seconds=timeout_s))
+            except Exception as exc:
+                kind, line, text = _describe(exc, skip_frames=0)
+                return kind, f"the check all-reduce on {label} failed: {line}", text
+            got, expected = probe.item(), float(check_id * size)
+            if got != expected:
+                return (
+                    "error",
+                    f"the check all-reduce on {label} returned {got:.17g} instead of "
+                    f"{expected:.17g}: another rank's pending operation took part in it",
+                    "",
+                )
+    except Exception as exc:
+        return _describe(exc, skip_frames=0)
+    return ("ok", pickle.dumps(None), step_state())
+
+
+def _with_state(message: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        return (*message, step_state())
+    except Exception as exc:  # e.g. a task that tore down torch's group registry
+        kind, line, text = _describe(exc, skip_frames=0)
+        return kind, f"the task returned, but its process groups could not be inspected: {line}", text
+
+
 def _run_task(sys_path: list[str], payload: bytes) -> tuple[Any, ...]:
     if sys.path != sys_path:
         # The parent's sys.path holds pytest's rootdir entries; without them the test module that
@@ -143,13 +252,13 @@ def _run_task(sys_path: list[str], payload: bytes) -> tuple[Any, ...]:
     except BaseException as exc:
         outcome = _outcome(exc)
         if outcome is not None:
-            return outcome
+            return _with_state(outcome)
         # Skip this module's own frame: the traceback starts in the user's function.
         return _describe(exc, skip_frames=1)
     finally:
         _flush()
     try:
-        return ("ok", pickle.dumps(result))
+        return _with_state(("ok", pickle.dumps(result)))
     except BaseException as exc:
         kind, line, text = _describe(exc, skip_frames=0)
         return (
@@ -168,14 +277,10 @@ def _join(spec: WorkerSpec) -> None:
     # torch was imported before OMP_NUM_THREADS was set (forkserver preload), so apply it here.
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
-        import torch
-
         torch.set_num_threads(int(threads))
 
 
 def _leave() -> None:
-    import torch.distributed as dist
-
     import distkit
 
     distkit.shutdown()
@@ -203,7 +308,7 @@ def main(spec: WorkerSpec, conn: Connection, lifeline: Connection) -> None:
         _flush()
         _send(conn, _describe(exc, skip_frames=1))
         return
-    _send(conn, ("ready", os.getpid()))
+    _send(conn, ("ready", os.getpid(), step_state()))
 
     while True:
         try:
@@ -212,6 +317,9 @@ def main(spec: WorkerSpec, conn: Connection, lifeline: Connection) -> None:
             return  # the parent is gone
         if message[0] == "stop":
             break
+        if message[0] == "check":
+            _send(conn, _check_in_step(*message[1:]))
+            continue
         _send(conn, _run_task(message[1], message[2]))
 
     try:
