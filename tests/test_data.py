@@ -8,6 +8,7 @@ import time
 import warnings
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -373,7 +374,7 @@ def loader_positions() -> dict[str, object]:
         pass
     out["finished"] = (loader.state_dict()["epoch"], loader.state_dict()["batches_consumed"])
     for _ in loader:
-        break  # a pass left early ends it: the next pass is a new epoch
+        break  # left early without the ranks communicating: no trace, the next pass is epoch 1 again
     out["after_break"] = (loader.epoch, loader.state_dict()["batches_consumed"])
     stale = iter(loader)
     next(stale)
@@ -392,7 +393,7 @@ def test_loader_position_counts_handed_out_batches_and_passes(ranks) -> None:
         assert out["initial"] == 0
         assert out["inside"] == (0, 1)
         assert out["finished"] == (1, 0)
-        assert out["after_break"] == (2, 0)
+        assert out["after_break"] == (1, 0)
         assert "superseded" in out["stale"]
 
 
@@ -416,6 +417,331 @@ def test_loader_state_survives_a_weights_only_load(tmp_path: Path) -> None:
     loader = distkit.distributed_dataloader(list(range(12)), 2, seed=4)
     torch.save(loader.state_dict(), tmp_path / "loader.pt")
     assert torch.load(tmp_path / "loader.pt", weights_only=True) == loader.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Epochs: passes made on some ranks only (docs/data.md, "Epochs")
+
+# 15 batches of 4 per rank on 2 ranks, 10 on 3, no padding. Through a sampler, 2 workers draw 4
+# batches ahead: a debugging pass of 3 batches must not draw the whole epoch (it would count as run
+# to its end, which the epoch check then reports: docs/data.md, "Epochs").
+EPOCH_SAMPLES = 120
+
+
+def _split_loader(kind: str, num_workers: int = 0, persistent: bool = False) -> Any:
+    """A shuffled training loader: distkit's ("loader"), a DataLoader over distkit's sampler
+    ("sampler"), or one over torch's DistributedSampler ("torch", the reference)."""
+    data = torch.arange(EPOCH_SAMPLES)
+    context = FORK if num_workers else None
+    if kind == "loader":
+        return distkit.distributed_dataloader(
+            data,
+            4,
+            seed=7,
+            num_workers=num_workers,
+            persistent_workers=persistent if num_workers else None,
+            multiprocessing_context=context,
+        )
+    sampler = (
+        distkit.distributed_sampler(data, seed=7)
+        if kind == "sampler"
+        else torch.utils.data.DistributedSampler(data, seed=7)
+    )
+    return torch.utils.data.DataLoader(
+        data,
+        batch_size=4,
+        sampler=sampler,
+        num_workers=num_workers,
+        persistent_workers=persistent,
+        multiprocessing_context=context,
+    )
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    (loader.sampler if isinstance(loader, torch.utils.data.DataLoader) else loader).set_epoch(epoch)
+
+
+def _train_epoch(loader: Any) -> list[int]:
+    """One epoch of a training loop, with a collective per step as DDP's gradient all-reduce."""
+    seen: list[int] = []
+    for batch in loader:
+        torch.distributed.all_reduce(torch.zeros(1))
+        seen += batch.tolist()
+    return seen
+
+
+def _assert_disjoint_and_covering(per_rank: list[list[list[int]]], epochs: int) -> None:
+    for epoch in range(epochs):
+        assert sorted(i for epochs_of_rank in per_rank for i in epochs_of_rank[epoch]) == list(
+            range(EPOCH_SAMPLES)
+        ), f"epoch {epoch} is not split into disjoint, covering shares"
+    for epochs_of_rank in per_rank:  # and the epochs do move on: each has its own order
+        assert len({tuple(order) for order in epochs_of_rank}) == epochs
+
+
+def _looks_then_training(loader: Any, held: bool, set_epoch_each_epoch: bool) -> list[list[int]]:
+    rank, last = distkit.get_rank(), distkit.get_world_size() - 1
+    kept = None
+    if rank == last:
+        if held:
+            kept = iter(loader)
+            next(kept)
+        else:
+            next(iter(loader))
+    torch.distributed.barrier()
+    out = []
+    for epoch in range(3):
+        if set_epoch_each_epoch:
+            _set_epoch(loader, epoch)
+        out.append(_train_epoch(loader))
+        for _ in range(2 if epoch == 0 and rank == 0 else 0):  # two debugging passes in a row
+            for step, _ in enumerate(loader):
+                if step == 2:
+                    break
+    del kept
+    return out
+
+
+def looks_then_training(kind: str, num_workers: int, persistent: bool, held: bool) -> dict[str, list]:
+    """The last rank looks at a batch before training (keeping the iterator alive through training
+    when `held`), the ranks then communicate (as DDP's set-up does), and rank 0 runs two debugging
+    passes of three batches after epoch 0: with distkit's `kind`, and with torch's sampler and
+    set_epoch(epoch)."""
+    return {
+        "reference": _looks_then_training(_split_loader("torch"), held, True),
+        "distkit": _looks_then_training(_split_loader(kind, num_workers, persistent), held, False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_workers", "persistent", "held", "world_size"),
+    [
+        ("loader", 0, False, False, 2),
+        ("loader", 0, False, True, 2),
+        ("loader", 2, True, False, 2),
+        ("loader", 2, True, True, 2),
+        ("sampler", 0, False, False, 2),
+        ("sampler", 0, False, True, 2),
+        ("sampler", 2, False, False, 2),
+        ("sampler", 2, True, False, 2),
+        ("sampler", 2, True, True, 2),
+        ("loader", 0, False, True, 3),
+        ("sampler", 2, True, False, 3),
+    ],
+)
+def test_a_look_or_a_debugging_pass_on_one_rank_keeps_every_epoch_disjoint_and_covering(
+    ranks, kind: str, num_workers: int, persistent: bool, held: bool, world_size: int
+) -> None:
+    results = ranks.run(
+        looks_then_training, kind, num_workers, persistent, held, world_size=world_size, timeout_s=60
+    )
+    # The reference: torch's DistributedSampler with set_epoch(epoch) every epoch stays aligned.
+    _assert_disjoint_and_covering([result["reference"] for result in results], 3)
+    _assert_disjoint_and_covering([result["distkit"] for result in results], 3)
+
+
+def statistics_pass_then_training() -> list[list[int]]:
+    """Every rank first makes a full pass without collectives (computing statistics; rank 1 slowly,
+    so that rank 0 starts training while rank 1 is still in it), then trains 2 epochs; rank 0 looks
+    at a batch between them."""
+    loader = _split_loader("loader")
+    rank = distkit.get_rank()
+    for _ in loader:
+        if rank == 1:
+            time.sleep(0.01)
+    out = [_train_epoch(loader)]
+    if rank == 0:
+        next(iter(loader))
+    out.append(_train_epoch(loader))
+    return out
+
+
+def test_ranks_a_collective_free_pass_apart_and_a_late_look_raise_nothing_and_stay_aligned(ranks) -> None:
+    # The epoch check must not take a rank still in a pass without collectives for a misaligned one.
+    _assert_disjoint_and_covering(ranks.run(statistics_pass_then_training, world_size=2, timeout_s=60), 2)
+
+
+def _full_pass_on_rank_0_then_training(loader: Any, set_epoch_each_epoch: bool) -> list[list[int]] | str:
+    rank, last = distkit.get_rank(), distkit.get_world_size() - 1
+    if rank == 0:
+        for _ in loader:
+            pass
+    out = []
+    try:
+        for epoch in range(3):
+            if set_epoch_each_epoch:
+                if rank == 1:
+                    next(iter(loader))
+                _set_epoch(loader, epoch)
+                if rank == last:
+                    next(iter(loader))
+            seen = []
+            for batch in loader:
+                stop = torch.zeros(1)
+                torch.distributed.all_reduce(stop)
+                if stop.item():
+                    return "stopped: another rank raised"
+                seen += batch.tolist()
+            out.append(seen)
+    except distkit.DistkitError as err:
+        torch.distributed.all_reduce(torch.ones(1))
+        return str(err)
+    return out
+
+
+def full_pass_on_rank_0_then_training(kind: str, set_epoch_each_epoch: bool) -> dict[str, Any]:
+    """Rank 0 alone runs a whole pass (inspecting the data), then 3 epochs of training; with
+    set_epoch, the ranks also look at batches before and after it. A rank that gets the
+    DistkitError tells the others, through the next step's collective, to stop. The reference is
+    torch's sampler with set_epoch(epoch)."""
+    return {
+        "reference": _full_pass_on_rank_0_then_training(_split_loader("torch"), True),
+        "distkit": _full_pass_on_rank_0_then_training(_split_loader(kind), set_epoch_each_epoch),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "set_epoch_each_epoch", "world_size"),
+    [
+        ("loader", True, 2),
+        ("sampler", True, 2),
+        ("loader", False, 2),
+        ("sampler", False, 2),
+        ("loader", False, 3),
+    ],
+)
+def test_a_full_pass_on_one_rank_is_realigned_by_set_epoch_or_raises_at_the_end_of_the_next_epoch(
+    ranks, kind: str, set_epoch_each_epoch: bool, world_size: int
+) -> None:
+    results = ranks.run(
+        full_pass_on_rank_0_then_training, kind, set_epoch_each_epoch, world_size=world_size, timeout_s=60
+    )
+    _assert_disjoint_and_covering([result["reference"] for result in results], 3)
+    if set_epoch_each_epoch:
+        assert all(isinstance(result["distkit"], list) for result in results), results
+        _assert_disjoint_and_covering([result["distkit"] for result in results], 3)
+        return
+    what = "DistributedLoader" if kind == "loader" else "DistributedSplitSampler"
+    for rank, result in enumerate(results):
+        # Every rank compares with both neighbours, and a rank that raises never publishes the next
+        # pass: the end of epoch 0's training pass is enough for every rank to see the other epoch.
+        message = result["distkit"]
+        assert isinstance(message, str) and message.startswith(f"[rank {rank}/{world_size}] {what}: ")
+        ran, other = (1, 0) if rank == 0 else (0, 1)
+        assert f"this rank just ran epoch {ran} while rank " in message
+        assert f"ran epoch {other} alongside it" in message
+        assert "Call set_epoch(epoch) on every rank right before each epoch's loop" in message
+
+
+def _stop_every_epoch_after(
+    loader: Any, steps: int, set_epoch_each_epoch: bool
+) -> tuple[list[list[int]], str]:
+    out: list[list[int]] = []
+    try:
+        for epoch in range(3):
+            if set_epoch_each_epoch:
+                _set_epoch(loader, epoch)
+            seen: list[int] = []
+            for step, batch in enumerate(loader):
+                torch.distributed.all_reduce(torch.zeros(1))
+                seen += batch.tolist()
+                if step + 1 == steps:
+                    break
+            out.append(seen)
+    except distkit.DistkitError as err:
+        return out, str(err)
+    return out, ""
+
+
+def stop_every_epoch_after(
+    kind: str, steps: int, num_workers: int, persistent: bool
+) -> dict[str, tuple[list[list[int]], str]]:
+    """A loop that trains `steps` steps per epoch on every rank, then breaks: with distkit's `kind`
+    with and without set_epoch(epoch), and with torch's sampler and set_epoch (the reference)."""
+    return {
+        "reference": _stop_every_epoch_after(_split_loader("torch"), steps, True),
+        "set_epoch": _stop_every_epoch_after(_split_loader(kind, num_workers, persistent), steps, True),
+        "plain": _stop_every_epoch_after(_split_loader(kind, num_workers, persistent), steps, False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_workers", "persistent"),
+    [("loader", 0, False), ("loader", 2, True), ("sampler", 0, False), ("sampler", 2, True)],
+)
+def test_a_loop_that_stops_every_epoch_early_never_silently_repeats_its_batches(
+    ranks, kind: str, num_workers: int, persistent: bool
+) -> None:
+    results = ranks.run(stop_every_epoch_after, kind, 3, num_workers, persistent, world_size=2, timeout_s=60)
+    for name in ("reference", "set_epoch"):  # three epochs, each a new order, split disjointly
+        for epochs, message in (result[name] for result in results):
+            assert message == "" and len(epochs) == 3 and len({tuple(e) for e in epochs}) == 3
+        for epoch in range(3):
+            assert not set(results[0][name][0][epoch]) & set(results[1][name][0][epoch])
+    for rank, result in enumerate(results):
+        # A pass left early restarts its epoch, so the second pass repeated the first (once); the
+        # third raises instead of repeating again.
+        epochs, message = result["plain"]
+        assert len(epochs) == 2 and epochs[0] == epochs[1]
+        assert message.startswith(f"[rank {rank}/2] ")
+        assert "the last 2 passes over epoch 0 were left early while the ranks communicated" in message
+        assert f"Call {'loader' if kind == 'loader' else 'sampler'}.set_epoch(epoch) at the start" in message
+
+
+def test_in_a_world_of_one_looks_leave_no_trace_and_a_loop_stopping_every_epoch_raises() -> None:
+    loader = distkit.distributed_dataloader(torch.arange(40), 4, seed=3)
+    untouched = distkit.distributed_dataloader(torch.arange(40), 4, seed=3)
+    next(iter(loader))
+    next(iter(loader))  # two looks at a batch are not a loop that stops every epoch early
+    assert all(torch.equal(a, b) for a, b in zip(loader, untouched, strict=True))  # epoch 0 for both
+    assert loader.epoch == 1
+    seen = []
+    with pytest.raises(distkit.DistkitError) as error:
+        for _ in range(3):
+            for step, batch in enumerate(loader):
+                seen.append(batch)
+                if step == 2:
+                    break
+    assert str(error.value).startswith("DistributedLoader: the last 2 passes over epoch 1 were left early (")
+    assert "loader.set_epoch(epoch)" in str(error.value)
+    assert len(seen) == 6 and all(torch.equal(a, b) for a, b in zip(seen[:3], seen[3:], strict=True))
+    epoch1 = list(untouched)
+    assert all(torch.equal(a, b) for a, b in zip(seen[:3], epoch1, strict=False))
+    loader.load_state_dict(loader.state_dict())  # one fix: go on where the last pass stopped
+    assert torch.equal(next(iter(loader)), epoch1[3])
+    loader.set_epoch(2)  # the other: the caller picks each pass's epoch
+    assert torch.equal(next(iter(loader)), next(iter(untouched)))  # epoch 2 for both
+
+
+def train_then_stop(steps: int, state: dict[str, Any] | None) -> tuple[list[list[int]], dict, dict]:
+    """Train `steps` steps (a collective each), breaking out of the pass at the last one; the state
+    is taken after the loop, and again after the main process looks at a batch."""
+    loader = _split_loader("loader")
+    if state is not None:
+        loader.load_state_dict(state)
+    seen: list[list[int]] = []
+    while len(seen) < steps:
+        for batch in loader:
+            torch.distributed.all_reduce(torch.zeros(1))
+            seen.append(batch.tolist())
+            if len(seen) == steps:
+                break
+    after_loop = loader.state_dict()
+    if distkit.is_main_process():
+        next(iter(loader))
+    return seen, after_loop, loader.state_dict()
+
+
+def test_state_dict_after_breaking_out_at_max_steps_resumes_exactly(ranks) -> None:
+    # 15 batches per epoch on 2 ranks: stop 3 batches into epoch 1, resume, go on into epoch 2.
+    full = ranks.run(train_then_stop, 34, None, world_size=2)
+    first = ranks.run(train_then_stop, 18, None, world_size=2)
+    state = first[0][1]
+    assert (state["epoch"], state["batches_consumed"]) == (1, 3)
+    assert all(after_loop == state and after_look == state for _, after_loop, after_look in first)
+    second = ranks.run(train_then_stop, 16, state, world_size=2)
+    for (whole, _, _), (before, _, _), (after, _, _) in zip(full, first, second, strict=True):
+        assert before + after == whole
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +790,7 @@ def test_uneven_training_data_gives_every_rank_the_same_batch_count_and_never_ha
         (
             {"batch_size": 11, "drop_last": True},
             ValueError,
-            r"each of the 1 ranks gets 10 .* batch_size <= 10",
+            r"leaves no batch: the dataset has 10 samples\. Pass batch_size <= 10",
         ),
         ({"seed": -1}, ValueError, r"seed must be in \[0, 18446744073709551615\], got -1"),
     ],
@@ -498,10 +824,33 @@ def bad_input_on_two_ranks(n: int, batch_size: int, drop_last: bool) -> str:
 
 def test_too_small_dataset_and_empty_drop_last_split_are_rejected_on_two_ranks(ranks) -> None:
     for message in ranks.run(bad_input_on_two_ranks, 1, 1, False, world_size=2):
-        assert "has 1 samples but the job has 2 ranks" in message and "at least 2 samples" in message
+        assert "has 1 sample but the job has 2 ranks" in message and "at least 2 samples" in message
+        assert "run at most 1 process." in message
+    for message in ranks.run(bad_input_on_two_ranks, 0, 1, False, world_size=2):
+        assert "the dataset is empty (0 samples), so none of the 2 ranks would get a sample" in message
+        assert "at least 2 samples (one per rank)" in message
     for message in ranks.run(bad_input_on_two_ranks, 10, 8, True, world_size=2):
         assert "each of the 2 ranks gets 5 of the 10 samples" in message
         assert "batch_size <= 5 or drop_last=False" in message
+
+
+def test_an_empty_or_too_small_dataset_in_a_world_of_one_is_rejected_without_talking_about_ranks() -> None:
+    with pytest.raises(ValueError) as loader_error:
+        distkit.distributed_dataloader([], 2)
+    with pytest.raises(ValueError) as sampler_error:
+        distkit.distributed_sampler(torch.arange(0))
+    with pytest.raises(ValueError) as drop_last_error:
+        distkit.distributed_dataloader(list(range(3)), 4, drop_last=True)
+    assert str(loader_error.value) == (
+        "distributed_dataloader(): the dataset is empty (0 samples); pass a dataset with at least 1 sample."
+    )
+    assert str(sampler_error.value).startswith("distributed_sampler(): the dataset is empty (0 samples)")
+    assert str(drop_last_error.value) == (
+        "distributed_dataloader(): drop_last=True with batch_size=4 leaves no batch: the dataset has "
+        "3 samples. Pass batch_size <= 3 or drop_last=False."
+    )
+    for error in (loader_error, sampler_error, drop_last_error):
+        assert "rank" not in str(error.value) and "process" not in str(error.value)
 
 
 def mismatched_seeds() -> str:

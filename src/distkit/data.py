@@ -11,7 +11,11 @@ Three guarantees, each tested on real process groups:
   around fetching and collating it, in a worker or in the training process alike. A batch's content,
   random augmentations included, therefore does not depend on the number of workers or on what was
   loaded before it, which is what makes mid-epoch resume exact.
-- **The loader advances its epoch itself** on each new pass; ``set_epoch`` is optional.
+- **Epochs advance by themselves, and never apart.** A pass run to its end moves to the next epoch,
+  so ``set_epoch`` is optional; a pass left early (``next(iter(loader))`` on one rank, a ``break``)
+  leaves the epoch as it was, so a rank that looks at a batch alone stays on the others' split. The
+  two cases no rank can align by itself (a full extra pass on some ranks; every rank stopping each
+  epoch after a few steps) raise a ``DistkitError`` naming the fix.
 
 The formulas are in ``docs/data.md``.
 """
@@ -93,13 +97,25 @@ def _dataset_len(dataset: Any, what: str) -> int:
         ) from err
 
 
+def _plural(count: int, singular: str, plural: str) -> str:
+    return f"{count} {singular if count == 1 else plural}"
+
+
 def _check_enough_samples(n: int, world_size: int, what: str) -> None:
-    if n < world_size:
+    if n >= world_size:
+        return
+    if world_size == 1:  # then n == 0; a world of one has no ranks to talk about
+        raise ValueError(f"{what}: the dataset is empty (0 samples); pass a dataset with at least 1 sample.")
+    if n == 0:
         raise ValueError(
-            f"{what}: the dataset has {n} samples but the job has {world_size} ranks, so some rank "
-            f"would get none. Use a dataset of at least {world_size} samples, or run at most "
-            f"{max(n, 1)} processes."
+            f"{what}: the dataset is empty (0 samples), so none of the {world_size} ranks would get a "
+            f"sample; pass a dataset with at least {world_size} samples (one per rank)."
         )
+    raise ValueError(
+        f"{what}: the dataset has {_plural(n, 'sample', 'samples')} but the job has {world_size} "
+        f"ranks, so some rank would get none. Use a dataset of at least {world_size} samples, or run at most "
+        f"{_plural(n, 'process', 'processes')}."
+    )
 
 
 def _check_same_on_every_rank(what: str, values: dict[str, object]) -> None:
@@ -198,6 +214,192 @@ def _rank_batches(plan: list[list[int]], rank: int) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Epochs: which passes move to the next epoch (docs/data.md, "Epochs")
+#
+# Every rank computes its share of an epoch from the epoch number alone, so the ranks must agree on
+# it without talking: a pass run to its end moves to the next epoch, a pass left early does not (a
+# look at a batch on one rank must not shift that rank's split). What no rank can settle alone is
+# caught: a full extra pass on some ranks (_EpochCheck, through the store) and a loop that stops
+# every epoch early on every rank (_Passes.begin). Both use the process groups' collective counters
+# to tell passes the ranks made together from rank-local ones; all of it is per pass, not per batch.
+
+
+def _collectives_so_far(*, every_group: bool) -> int | None:
+    """Collectives this process has issued on the default group, or on every group it belongs to.
+
+    ``None`` without a process group, or where the backend does not count them (gloo and NCCL do).
+    The default group's count is the same on every rank at the same point of a program, since every
+    rank issues the same collectives on it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        groups = (
+            list(dist.distributed_c10d._world.pg_map)
+            if every_group
+            else [dist.distributed_c10d._get_default_group()]
+        )
+        return sum(int(group._get_sequence_number_for_group()) for group in groups)
+    except Exception:  # a private torch API on a backend that may lack it: then we cannot tell
+        return None
+
+
+def _rank_prefix(rank: int, world_size: int) -> str:
+    return f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+
+
+class _EpochCheck:
+    """Tells the ranks apart when a full extra pass on some of them put them in different epochs.
+
+    At the start of each pass a rank writes ``"<default-group collectives>,<epoch>"`` under its key
+    in the job's store; at the end of a pass during which collectives ran, it reads its two
+    neighbours' keys (ranks r-1 and r+1). Passes that started after the same collective and then
+    ran collectives together are the same step of the same program, so they must have the same
+    epoch. A rank still in a collective-free pass may lag a whole epoch legitimately, which is why
+    a pass without collectives checks nothing. One store write when a pass starts, one check and one
+    read when it ends, never a wait: every key exists from the loader's construction (written
+    before its collective gather).
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, what: str) -> None:
+        self.store: Any = store
+        self.key = f"{prefix}/{rank}"
+        self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+        self.neighbour_keys = [f"{prefix}/{other}" for other in self.neighbours]
+        self.rank, self.world_size, self.what = rank, world_size, what
+        self.start_count = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A store cannot be pickled or deep-copied; a copied sampler or loader just goes unchecked.
+        return {**self.__dict__, "store": None}
+
+    @classmethod
+    def create(cls, what: str, shuffle: bool) -> _EpochCheck | None:
+        """Before the construction gather, on every rank; ``None`` where there is nothing to check.
+
+        Without shuffling every epoch splits the data alike, so ranks in different epochs still
+        see disjoint, covering shares: only shuffled splits are checked.
+        """
+        world_size = runtime.get_world_size()
+        if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = runtime._store()
+        state = runtime._runtime
+        if state is None:
+            return None
+        # Taken on every rank whatever the options, so that ranks agree on the ids that follow.
+        ident = state.next_id("data_epochs")
+        if not shuffle or store is None or _collectives_so_far(every_group=False) is None:
+            return None
+        check = cls(store, f"data/epochs/{ident}", runtime.get_rank(), world_size, what)
+        try:
+            store.set(check.key, "-1,-1")  # before the gather, so every key exists after it
+        except RuntimeError:
+            return None
+        return check
+
+    def started(self, epoch: int) -> None:
+        count = _collectives_so_far(every_group=False)
+        if count is None or self.store is None:
+            self.store = None
+            return
+        self.start_count = count
+        try:
+            self.store.set(self.key, f"{count},{epoch}")
+        except RuntimeError:  # a store that stopped answering; the check is a safety net, not a need
+            self.store = None
+
+    def finished(self, epoch: int) -> None:
+        count = _collectives_so_far(every_group=False)
+        if self.store is None or count is None or count == self.start_count:
+            return
+        if "nccl" in str(dist.get_backend()).lower():
+            # NCCL counts a collective when this host enqueues it, which may be long before the
+            # other ranks reach it; once it has run on the device, every rank has issued it, so each
+            # neighbour's latest pass is the one that ran alongside this one.
+            torch.cuda.synchronize()
+        try:
+            if not self.store.check(self.neighbour_keys):
+                return
+            values = self.store.multi_get(self.neighbour_keys)
+        except RuntimeError:
+            self.store = None
+            return
+        for other, value in zip(self.neighbours, values, strict=True):
+            other_count, other_epoch = (int(part) for part in bytes(value).decode().split(","))
+            if other_count == self.start_count and other_epoch != epoch:
+                raise DistkitError(
+                    f"{_rank_prefix(self.rank, self.world_size)}{self.what}: this rank just ran epoch "
+                    f"{epoch} while rank {other} ran epoch {other_epoch} alongside it (both passes "
+                    f"started after the same collective), so their shares of the data overlap: some "
+                    f"samples are seen twice in an epoch and others never. A pass run to its end moves "
+                    f"a rank to the next epoch, so a full pass made on some ranks only (inspecting or "
+                    f"evaluating on the training data) put them an epoch ahead. Call set_epoch(epoch) "
+                    f"on every rank right before each epoch's loop, which realigns the ranks whatever "
+                    f"passes ran before, or leave extra passes early (break)."
+                )
+
+
+class _Passes:
+    """Per-pass bookkeeping of a loader or sampler: which pass is running, and whether passes left
+    early keep restarting the same epoch (a loop that stops every epoch after a few steps)."""
+
+    def __init__(self, what: str, rank: int, world_size: int, *, training: bool) -> None:
+        self.what, self.rank, self.world_size, self.training = what, rank, world_size, training
+        self.check: _EpochCheck | None = None
+        # Whether a started pass has not ended yet (run to its end, left, or superseded).
+        self.live = False
+        # Collectives on every group when the live pass started: did the ranks make it together?
+        self.count_at_start: int | None = None
+        # Passes in a row, from the same position, left early while the ranks communicated.
+        self.early = 0
+
+    def begin(self, epoch: int, fix: str) -> None:
+        """A pass starts at ``epoch``; raises if it would repeat two passes left early before it."""
+        if self.early >= 2:
+            together = " while the ranks communicated" if self.world_size > 1 else ""
+            raise DistkitError(
+                f"{_rank_prefix(self.rank, self.world_size)}{self.what}: the last {self.early} passes "
+                f"over epoch {epoch} were left early{together} (a loop that stops every epoch after "
+                f"some steps), and a pass left early does not move to the next epoch (so that a look "
+                f"at a batch on one rank cannot shift that rank's share of the data): this pass would "
+                f"hand out the same samples again. {fix}"
+            )
+        self.count_at_start = _collectives_so_far(every_group=True)
+        if self.check is not None:
+            self.check.started(epoch)
+        self.live = True
+
+    def end_full(self, epoch: int) -> None:
+        """The live pass ran to its end at ``epoch``; raises if the ranks turn out to be misaligned."""
+        self.live = False
+        self.early = 0
+        if self.check is not None:
+            self.check.finished(epoch)
+
+    def end_early(self, *, more_than_one_batch: bool) -> bool:
+        """The live pass ended before its end; returns whether the ranks made it together.
+
+        With several ranks, a pass during which this rank issued no collective was made by this rank
+        alone (a look at a batch, a debugging pass); in a world of one every pass is the job's.
+        """
+        self.live = False
+        if self.world_size == 1:
+            shared = True
+        else:
+            now = _collectives_so_far(every_group=True)
+            shared = now is None or self.count_at_start is None or now != self.count_at_start
+        if shared and more_than_one_batch and self.training:
+            self.early += 1
+        return shared
+
+    def reset(self) -> None:
+        """``set_epoch`` or ``load_state_dict``: the epoch is the caller's, nothing repeats."""
+        self.live = False
+        self.early = 0
+
+
+# ---------------------------------------------------------------------------------------------
 # The sampler, for DataLoaders users make
 
 
@@ -205,8 +407,13 @@ class DistributedSplitSampler(DistributedSampler):  # type: ignore[type-arg]
     """This rank's share of a map-style dataset; made by :func:`distributed_sampler`.
 
     A :class:`torch.utils.data.DistributedSampler` (so tools that look for one find it) with
-    distkit's seeding, an epoch that advances by itself on each new pass, and an unpadded
+    distkit's seeding, an epoch that advances by itself when a pass runs to its end, and an unpadded
     ``evaluation`` split. Each rank gets one contiguous block of the epoch's order.
+
+    A pass left early (a DataLoader iterator dropped before its end) leaves the epoch as it was, so a
+    look at a batch on one rank keeps that rank on the others' split. With workers, a pass counts as
+    run to its end once every index is drawn (torch draws ``prefetch_factor * num_workers`` batches
+    ahead); with persistent workers, a pass left early is noticed when the next one starts.
 
     Attributes:
         epoch: The epoch of the current or next pass.
@@ -239,22 +446,53 @@ class DistributedSplitSampler(DistributedSampler):  # type: ignore[type-arg]
             self.total_size = self.num_samples * world_size
             self._start = rank * self.num_samples
         self._n = n
-        # Whether `epoch` has been handed out by a pass: the next pass then advances it.
-        self._epoch_used = False
+        self._passes = _Passes("DistributedSplitSampler", rank, world_size, training=not evaluation)
+        # Bumped by every iter() (and by set_epoch() during a pass): older iterators have ended.
+        self._generation = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next pass (optional: passes advance the epoch by themselves). Local."""
+        """Use ``epoch`` for the next pass (optional: a pass run to its end moves on by itself). Local.
+
+        Calling it on every rank right before each epoch's loop keeps the ranks aligned whatever
+        passes ran before, as with torch's ``DistributedSampler``.
+        """
         self.epoch = _check_int("epoch", epoch, 0)
-        self._epoch_used = False
+        if self._passes.live:
+            self._generation += 1  # the running pass is over: its end must not move the epoch
+        self._passes.reset()
 
     def __iter__(self) -> Iterator[int]:
-        # A generator: torch's multi-worker DataLoader calls iter() twice per pass and starts only
-        # the second, so the epoch is claimed when the first index is drawn.
-        if self._epoch_used:
-            self.epoch += 1
-        self._epoch_used = True
+        if self._passes.live:
+            # A started pass that a new one replaces before its end (persistent workers replace
+            # their sampler iterator only when the next pass starts) was left early.
+            self._passes.end_early(more_than_one_batch=True)
+        self._generation += 1
+        return self._indices(self._generation)
+
+    def _indices(self, generation: int) -> Iterator[int]:
+        # A generator, so nothing happens until the first index is drawn: torch's DataLoader may
+        # call iter() on a sampler twice per pass and draw only from the second iterator.
+        if generation != self._generation:
+            raise DistkitError(
+                "this iterator of a DistributedSplitSampler was superseded: iter() was called on the "
+                "sampler again before its first index was drawn. Iterate one pass at a time."
+            )
+        passes = self._passes
+        passes.begin(
+            self.epoch,
+            "Call sampler.set_epoch(epoch) at the start of each epoch (it picks each pass's epoch).",
+        )
         order = _padded(_epoch_order(self._n, self.shuffle, self.seed, self.epoch), self.total_size)
-        yield from order[self._start : self._start + self.num_samples].tolist()
+        try:
+            yield from order[self._start : self._start + self.num_samples].tolist()
+        except GeneratorExit:  # closed before its end: the DataLoader iterator was dropped
+            if generation == self._generation and passes.live:
+                passes.end_early(more_than_one_batch=True)
+            raise
+        if generation == self._generation and passes.live:
+            epoch = self.epoch
+            self.epoch += 1
+            passes.end_full(epoch)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -273,8 +511,11 @@ def distributed_sampler(
     Collective: call on every rank (one small gather checks that every rank passed the same dataset
     length and options). Without a process group it samples the whole dataset.
 
-    Each new pass (each ``iter()``, which a DataLoader does once per epoch) uses the next epoch's
-    order, so forgetting ``set_epoch`` no longer repeats epoch 0's order; calling it still works.
+    A pass run to its end moves the sampler to the next epoch's order, so forgetting ``set_epoch``
+    no longer repeats epoch 0's order; calling it still works. A pass left early (a DataLoader
+    iterator dropped before its end, as ``next(iter(loader))`` on one rank does) leaves the epoch as
+    it was, so the ranks stay on the same split. A full extra pass on some ranks only, and every
+    rank stopping each epoch early, raise :class:`DistkitError` (see ``docs/data.md``, "Epochs").
     Each rank gets a contiguous block of the epoch's order, so concatenating per-rank results in
     rank order gives the epoch's order.
 
@@ -293,8 +534,8 @@ def distributed_sampler(
 
     Raises:
         TypeError: ``dataset`` is iterable-style or has no ``__len__``; ``seed`` is not an int.
-        ValueError: The dataset has fewer samples than there are ranks; ``evaluation`` with
-            ``drop_last=True``.
+        ValueError: The dataset is empty or has fewer samples than there are ranks; ``evaluation``
+            with ``drop_last=True``.
 
     Example:
         >>> import torch, distkit
@@ -313,6 +554,7 @@ def distributed_sampler(
         )
     world_size, rank = runtime.get_world_size(), runtime.get_rank()
     _check_enough_samples(n, world_size, what)
+    check = _EpochCheck.create("DistributedSplitSampler", shuffle)
     _check_same_on_every_rank(
         what,
         {
@@ -323,7 +565,7 @@ def distributed_sampler(
             "evaluation": evaluation,
         },
     )
-    return DistributedSplitSampler(
+    sampler = DistributedSplitSampler(
         dataset,
         world_size=world_size,
         rank=rank,
@@ -332,6 +574,8 @@ def distributed_sampler(
         drop_last=drop_last,
         evaluation=evaluation,
     )
+    sampler._passes.check = check
+    return sampler
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,38 +695,37 @@ class _Pass:
             try:
                 self._iterator = owner._start_pass()
             except BaseException:
-                # Nothing was handed out: the next iter() retries this same position.
-                self._done = True
-                if owner._generation == self._generation:
-                    owner._fresh = True
+                self._done = True  # nothing was handed out: the next pass starts at this same position
                 raise
         try:
             batch = next(self._iterator)
         except StopIteration:
-            self._finish()
+            self._done = True
+            self._iterator = None  # non-persistent workers shut down with their iterator
+            if owner._generation == self._generation:
+                owner._end_full_pass()  # may raise: the ranks turned out to be in different epochs
             raise
         owner._consumed += 1
         return batch
 
-    def _finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._iterator = None  # non-persistent workers shut down with their iterator
-        if self._owner._generation == self._generation:
-            self._owner._end_pass()
-
     def __del__(self) -> None:
-        # A pass dropped before its end (`break`) is over: the next iter() starts the next epoch.
-        self._finish()
+        # Dropped before its end (`break`, or `next(iter(loader))`): the next pass starts where this
+        # one started (docs/data.md, "Epochs").
+        if not self._done and self._iterator is not None and self._owner._generation == self._generation:
+            self._done = True
+            self._owner._end_early()
 
 
 class DistributedLoader:
     """A DataLoader over this rank's share of a dataset; made by :func:`distributed_dataloader`.
 
-    Iterate it like a DataLoader. Each new pass starts the next epoch by itself (the first pass is
-    epoch 0, or the epoch given to :meth:`set_epoch`); the first pass after :meth:`load_state_dict`
-    finishes the saved epoch from where it stopped.
+    Iterate it like a DataLoader. A pass run to its end moves the loader to the next epoch by itself
+    (the first pass is epoch 0, or the epoch given to :meth:`set_epoch`); a pass left early (a
+    ``break``, ``next(iter(loader))``) leaves the epoch as it was, and the next pass starts where it
+    started, so a look at a batch on one rank keeps that rank on the others' split. The first pass
+    after :meth:`load_state_dict` finishes the saved epoch from where it stopped. A full extra pass
+    on some ranks only, and every rank stopping each epoch early, raise :class:`DistkitError`
+    naming the fix (``docs/data.md``, "Epochs").
 
     Attributes:
         dataset: The dataset, as given.
@@ -553,8 +796,13 @@ class DistributedLoader:
         # Position: the epoch of the current (or next) pass and the batches handed out in it.
         self._epoch = 0
         self._consumed = 0
-        # True when the next iter() uses (_epoch, _consumed) as they are rather than advancing.
-        self._fresh = True
+        # Where the current (or last) pass started: a pass left early starts again from there.
+        self._pass_start = 0
+        # Where the last pass left early stopped, when the ranks made it together: what
+        # state_dict() reports, so that a run resumed from it goes on from there. None otherwise.
+        self._stopped: int | None = None
+        self._stopped_before: int | None = None  # _stopped when the live pass began (for a rank-local pass)
+        self._passes = _Passes("DistributedLoader", rank, world_size, training=not evaluation)
         # Bumped by every new pass, set_epoch() and load_state_dict(); older passes stop.
         self._generation = 0
 
@@ -568,10 +816,8 @@ class DistributedLoader:
         return len(self._plan.batches)
 
     def __iter__(self) -> Iterator[Any]:
-        if not self._fresh:
-            self._epoch += 1
-            self._consumed = 0
-        self._fresh = False
+        if self._passes.live:
+            self._end_early()  # a started pass replaced before its end was left early
         self._generation += 1
         return _Pass(self, self._generation)
 
@@ -581,27 +827,51 @@ class DistributedLoader:
                 f"the dataset now has {len(self.dataset)} samples but had {self._n} when this loader "
                 f"was made; make a new loader (on every rank) after changing the dataset."
             )
+        self._passes.begin(
+            self._epoch,
+            "Call loader.set_epoch(epoch) at the start of each epoch to move on to a new epoch, or "
+            "loader.load_state_dict(loader.state_dict()) before a pass to go on where the last one "
+            "stopped.",
+        )
+        self._pass_start, self._stopped_before, self._stopped = self._consumed, self._stopped, None
         self._plan.seed, self._plan.epoch, self._plan.start = self.seed, self._epoch, self._consumed
         self._generator.manual_seed(derive_seed(self.seed, _STREAM_LOADER, self.rank, self._epoch))
         self.dataloader.worker_init_fn = functools.partial(
             _init_worker, self.seed, self.rank, self._epoch, self.worker_init_fn
         )
-        return iter(self.dataloader)
+        try:
+            return iter(self.dataloader)
+        except BaseException:
+            self._passes.live = False
+            self._stopped = self._stopped_before
+            raise
 
-    def _end_pass(self) -> None:
+    def _end_full_pass(self) -> None:
+        epoch = self._epoch
         self._epoch += 1
-        self._consumed = 0
-        self._fresh = True
+        self._consumed = self._pass_start = 0
+        self._stopped = None
+        self._passes.end_full(epoch)
+
+    def _end_early(self) -> None:
+        handed = self._consumed - self._pass_start
+        shared = self._passes.end_early(more_than_one_batch=handed > 1)
+        # A pass the ranks made together stopped training there; a rank-local one leaves no trace.
+        self._stopped = self._consumed if shared and handed else self._stopped_before
+        self._consumed = self._pass_start
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next pass at ``epoch`` (optional; passes advance the epoch by themselves).
+        """Start the next pass at ``epoch`` (optional: a pass run to its end moves on by itself).
 
-        Local. Setting the epoch the loader is already positioned at keeps a resumed position.
+        Local. Setting the epoch the loader is already positioned at, between passes, keeps its
+        position (one restored by :meth:`load_state_dict`). Calling it on every rank right before
+        each epoch's loop keeps the ranks aligned whatever passes ran before.
         """
         _check_int("epoch", epoch, 0)
-        if epoch != self._epoch or not self._fresh:
+        if epoch != self._epoch or self._passes.live:
             self._epoch, self._consumed = epoch, 0
-        self._fresh = True
+        self._pass_start, self._stopped = self._consumed, None
+        self._passes.reset()
         self._generation += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -609,7 +879,11 @@ class DistributedLoader:
 
         Local. Plain ints and bools (safe for ``torch.load(weights_only=True)``). In training every
         rank holds the same state, so saving the main process's is enough. Taken inside the loop
-        body, the batch just received counts as consumed.
+        body, the batch just received counts as consumed. After a pass run to its end it points at
+        the next epoch. After a pass left early (``break`` at the last step) it is where that pass
+        stopped, so a run resumed from it goes on exactly from there, when the ranks communicated
+        during the pass (a training loop; in a world of one, always); a pass made without them (a
+        look at a batch on one rank) leaves the state as it was.
 
         Example:
             >>> import distkit
@@ -621,7 +895,7 @@ class DistributedLoader:
         """
         return {
             "epoch": self._epoch,
-            "batches_consumed": self._consumed,
+            "batches_consumed": self._consumed if self._stopped is None else self._stopped,
             "seed": self.seed,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
@@ -666,7 +940,8 @@ class DistributedLoader:
                 f"on this rank; pass a state saved by this loader's job."
             )
         self.seed, self._epoch, self._consumed = seed, epoch, consumed
-        self._fresh = True
+        self._pass_start, self._stopped = consumed, None
+        self._passes.reset()
         self._generation += 1
 
 
@@ -700,8 +975,10 @@ def distributed_dataloader(
       batches may be smaller). Gathering each batch with :func:`gather_for_metrics` gives the
       samples in order; ``reduce_metrics`` of ``(sum, count)`` pairs gives the exact
       single-process metric.
-    - Each new pass starts the next epoch (a new order when shuffling); :meth:`DistributedLoader.
-      state_dict` / ``load_state_dict`` resume mid-epoch exactly.
+    - A pass run to its end moves to the next epoch (a new order when shuffling); a pass left early
+      leaves the epoch as it was, so a look at a batch on one rank never shifts its share
+      (``docs/data.md``, "Epochs"). :meth:`DistributedLoader.state_dict` / ``load_state_dict``
+      resume mid-epoch exactly.
     - Each batch is fetched and collated on its own random stream (``docs/data.md``), in a worker
       or here; the training process's RNG states are left as they were.
 
@@ -729,10 +1006,13 @@ def distributed_dataloader(
 
     Raises:
         TypeError: ``dataset`` is iterable-style or has no ``__len__``; a number is not an int.
-        ValueError: ``batch_size < 1``; fewer samples than ranks; ``drop_last=True`` with so few
-            samples per rank that some rank would get no batch; ``evaluation`` with ``drop_last``;
-            ``num_workers < 0``; ``prefetch_factor`` or ``persistent_workers`` without workers.
-        DistkitError: Ranks passed different dataset lengths, batch sizes, seeds or options.
+        ValueError: ``batch_size < 1``; an empty dataset, or fewer samples than ranks;
+            ``drop_last=True`` with so few samples per rank that some rank would get no batch;
+            ``evaluation`` with ``drop_last``; ``num_workers < 0``; ``prefetch_factor`` or
+            ``persistent_workers`` without workers.
+        DistkitError: Ranks passed different dataset lengths, batch sizes, seeds or options. While
+            iterating: the ranks ended up in different epochs, or passes left early keep
+            restarting the same epoch (see ``docs/data.md``, "Epochs").
 
     Example:
         >>> import torch, distkit
@@ -769,11 +1049,16 @@ def distributed_dataloader(
     if drop_last:
         per_rank = _per_rank_samples(n, world_size, drop_last)
         if per_rank < batch_size:
-            raise ValueError(
-                f"{what}: drop_last=True with batch_size={batch_size} leaves no batch: each of the "
-                f"{world_size} ranks gets {per_rank} of the {n} samples. Pass batch_size <= {per_rank} "
-                f"or drop_last=False."
+            share = (
+                f"the dataset has {_plural(n, 'sample', 'samples')}"
+                if world_size == 1
+                else f"each of the {world_size} ranks gets {per_rank} of the {n} samples"
             )
+            raise ValueError(
+                f"{what}: drop_last=True with batch_size={batch_size} leaves no batch: {share}. "
+                f"Pass batch_size <= {per_rank} or drop_last=False."
+            )
+    check = _EpochCheck.create("DistributedLoader", shuffle)
     _check_same_on_every_rank(
         what,
         {
@@ -803,6 +1088,7 @@ def distributed_dataloader(
         rank=rank,
         n=n,
     )
+    loader._passes.check = check
     if len(set(loader.batches_per_rank)) > 1:
         # Only batch_size=1 with a dataset size that the world size does not divide gets here.
         warnings.warn(
@@ -980,6 +1266,21 @@ def _suggest(
     return out
 
 
+def _keep_position(owner: DistributedLoader | DistributedSplitSampler) -> tuple[Any, ...]:
+    if isinstance(owner, DistributedLoader):
+        return (owner._epoch, owner._consumed, owner._pass_start, owner._stopped, owner._passes.early)
+    return (owner.epoch, owner._passes.early)
+
+
+def _put_back_position(owner: DistributedLoader | DistributedSplitSampler, kept: tuple[Any, ...]) -> None:
+    owner._passes.reset()
+    if isinstance(owner, DistributedLoader):
+        owner._epoch, owner._consumed, owner._pass_start, owner._stopped, owner._passes.early = kept
+    else:
+        owner.epoch, owner._passes.early = kept
+    owner._generation += 1  # a pass running before profiling is over, as documented
+
+
 def profile_dataloader(
     loader: Any, *, num_batches: int = 50, device: str | torch.device | None = None
 ) -> DataLoaderProfile:
@@ -1013,11 +1314,10 @@ def profile_dataloader(
     target = runtime.get_device() if device is None else torch.device(device)
     pinned = bool(getattr(loader, "pin_memory", False))
     rng_state = capture_rng_state()
-    loader_state = loader.state_dict() if isinstance(loader, DistributedLoader) else None
-    sampler = getattr(loader, "sampler", None)
-    sampler_state = (
-        (sampler.epoch, sampler._epoch_used) if isinstance(sampler, DistributedSplitSampler) else None
-    )
+    # Positions are put back whole (not through load_state_dict): where the next pass starts, what
+    # state_dict() reports, and the count of passes left early all stay as they were.
+    owner = loader if isinstance(loader, DistributedLoader) else getattr(loader, "sampler", None)
+    kept = _keep_position(owner) if isinstance(owner, (DistributedLoader, DistributedSplitSampler)) else None
     waits: list[float] = []
     copies: list[float] = []
     try:
@@ -1037,10 +1337,8 @@ def profile_dataloader(
         del iterator
     finally:
         restore_rng_state(rng_state)
-        if loader_state is not None:
-            loader.load_state_dict(loader_state)
-        if sampler_state is not None:
-            sampler.epoch, sampler._epoch_used = sampler_state
+        if kept is not None:
+            _put_back_position(owner, kept)
     if len(waits) < 2:
         raise ValueError(
             f"profile_dataloader() needs at least 2 batches but the loader yielded {len(waits)}; "
