@@ -8,13 +8,17 @@ here mocks fsspec: clients talk to these servers over real sockets.
   until the test releases it, and can reject credentials by quoting them back, as careless servers
   do (which is how secrets end up in client error messages).
 - ``s3`` (session fixture): moto's S3-compatible server (``moto[server]``) on a free port, with the
-  ``storage_options`` that point s3fs at it.
+  ``storage_options`` that point s3fs at it. :meth:`S3Endpoint.checking_keys_after` makes it start
+  refusing unknown access keys (403 InvalidAccessKeyId, as S3 does) after a number of requests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -226,6 +230,29 @@ class S3Endpoint:
         }
         options.update(extra)
         return options
+
+    @contextlib.contextmanager
+    def checking_keys_after(self, requests: int) -> Iterator[None]:
+        """Answer ``requests`` more requests as usual, then refuse every request whose access key
+        the server does not know (all of them: it knows none) with 403 InvalidAccessKeyId, until
+        the block ends. Uses moto's own switch (``/moto-api/reset-auth``), which counts requests
+        from every client of the server.
+        """
+        previous = self._reset_auth(str(requests))
+        try:
+            yield
+        finally:
+            self._reset_auth(previous)
+
+    def _reset_auth(self, count: str) -> str:
+        request = urllib.request.Request(
+            f"{self.url}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},  # a form body would not reach moto's handler
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return str(json.loads(answer.read())["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"])
 
     def bucket(self, name: str) -> Any:
         """Create bucket ``name`` and return an s3fs filesystem for this server."""

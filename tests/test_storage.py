@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ import pytest
 
 import distkit
 import storage_servers
-from distkit import storage
+from distkit import _fs, storage
 from distkit.testing import RankFailedError
 from storage_servers import FileServer, S3Endpoint, Stall
 
@@ -33,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = hashlib.sha256(b"seed").digest() * 32768  # 1 MiB, incompressible enough
 DIGEST = hashlib.sha256(PAYLOAD).hexdigest()
 SECRET = "S3CR3T-d0-not-leak-7f3a"
+SHORT_SECRET = "q7Z"  # a 3-character password: too short to replace wherever it occurs
+MANIFEST = "_DISTKIT_MANIFEST.json"
+INCOMPLETE = "_DISTKIT_INCOMPLETE"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
 
 
@@ -60,6 +65,26 @@ def _make_tree(root: Path) -> dict[str, bytes]:
 
 def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if ".distkit-tmp" in p.name)
+
+
+def _uploaded(tree: dict[str, bytes]) -> dict[str, bytes]:
+    """``tree`` (an upload's destination) less its manifest, which must describe exactly the rest."""
+    files = dict(tree)
+    manifest = json.loads(files.pop(MANIFEST))
+    assert (manifest["format"], manifest["version"]) == ("distkit-upload", 1)
+    assert INCOMPLETE not in files
+    promised = {rel: (entry["size"], entry["sha256"]) for rel, entry in manifest["files"].items()}
+    assert promised == {rel: (len(data), hashlib.sha256(data).hexdigest()) for rel, data in files.items()}
+    return files
+
+
+def _memory_tree(root: str) -> dict[str, bytes]:
+    memory = fsspec.filesystem("memory")
+    return {p[len(root) + 1 :]: memory.cat_file(p) for p in memory.find(root)}  # cat would glob
+
+
+def _bucket_tree(bucket: Any, root: str) -> dict[str, bytes]:
+    return {p[len(root) + 1 :]: bucket.cat_file(p) for p in bucket.find(root)}
 
 
 # -- download: sources ------------------------------------------------------------------------------
@@ -333,19 +358,20 @@ def test_network_errors_after_the_retries_are_raised_on_every_rank(
 def test_upload_writes_trees_and_files_to_local_memory_and_s3(tmp_path: Path, s3: S3Endpoint) -> None:
     files = _make_tree(tmp_path / "out")
     assert distkit.upload(tmp_path / "out", str(tmp_path / "up")).done()
-    assert _tree(tmp_path / "up") == files
+    assert _uploaded(_tree(tmp_path / "up")) == files
     distkit.upload(tmp_path / "out" / "a.txt", f"file://{tmp_path}/single/")
-    assert (tmp_path / "single" / "a.txt").read_bytes() == files["a.txt"]
+    assert _tree(tmp_path / "single") == {"a.txt": files["a.txt"]}  # one file: one object, no markers
 
     memory = fsspec.filesystem("memory")
     distkit.upload(tmp_path / "out", "memory://dk-upload/run")
-    assert {p[len("/dk-upload/run/") :]: memory.cat(p) for p in memory.find("/dk-upload/run")} == files
+    assert _uploaded(_memory_tree("/dk-upload/run")) == files
 
     bucket = s3.bucket("dk-upload")
     handle = distkit.upload(tmp_path / "out", "s3://dk-upload/run", storage_options=s3.options())
     assert handle.done() and repr(handle).endswith("state='done')")
-    uploaded = {p[len("dk-upload/run/") :]: bucket.cat(p) for p in bucket.find("dk-upload/run")}
-    assert uploaded == files
+    assert _uploaded(_bucket_tree(bucket, "dk-upload/run")) == files
+    # Named after the file, as s3fs names it, though s3fs is handed the opened file, not its name.
+    assert bucket.info("dk-upload/run/a.txt")["ContentType"] == "text/plain"
     assert not [p for p in memory.find("/dk-upload") + bucket.find("dk-upload") if ".distkit-tmp" in p]
 
 
@@ -370,7 +396,7 @@ def test_upload_refuses_entries_outside_the_tree_before_writing_anything(tmp_pat
     (tree / "etc").unlink()
     (tree / "sub" / "up.txt").unlink()
     distkit.upload(tree, str(tmp_path / "up"))
-    assert _tree(tmp_path / "up") == {**files, "inner-link.txt": files["sub/b.bin"]}
+    assert _uploaded(_tree(tmp_path / "up")) == {**files, "inner-link.txt": files["sub/b.bin"]}
 
 
 def upload_from_rank_zero(tree: str, dest: str, marker: str) -> tuple[bool, bool]:
@@ -395,7 +421,7 @@ def test_upload_runs_on_rank_zero_and_the_others_return_at_once(ranks, tmp_path:
     main, other = ranks.run(upload_from_rank_zero, str(tmp_path / "out"), str(tmp_path / "up"), marker)
     assert main == (True, True)  # rank 1 had returned before rank 0 even called upload()
     assert other[0] is True
-    assert _tree(tmp_path / "up") == files
+    assert _uploaded(_tree(tmp_path / "up")) == files
 
 
 def test_background_upload_error_surfaces_at_wait(tmp_path: Path, s3: S3Endpoint) -> None:
@@ -414,7 +440,7 @@ def test_background_upload_finishes_and_wait_has_a_deadline(tmp_path: Path, http
     files = _make_tree(tmp_path / "out")
     handle = distkit.upload(tmp_path / "out", str(tmp_path / "up"), background=True)
     handle.wait(timeout_s=60)
-    assert handle.done() and _tree(tmp_path / "up") == files
+    assert handle.done() and _uploaded(_tree(tmp_path / "up")) == files
 
     http_server.upload_gate.clear()  # the server sits on the upload until the gate opens
     slow = distkit.upload(tmp_path / "out" / "a.txt", http_server.url("/a.txt"), background=True)
@@ -424,6 +450,167 @@ def test_background_upload_finishes_and_wait_has_a_deadline(tmp_path: Path, http
     http_server.upload_gate.set()
     with pytest.raises(Exception, match="405"):  # the server's answer, once it gives one
         slow.wait(timeout_s=60)
+
+
+# -- upload: complete or visibly partial -----------------------------------------------------------
+
+
+def test_download_checks_a_tree_against_its_upload_manifest_and_leaves_the_markers_out(
+    tmp_path: Path,
+) -> None:
+    files = _make_tree(tmp_path / "out")
+    (tmp_path / "out" / MANIFEST).write_text("{}")  # e.g. from a copy of an upload: not uploaded
+    distkit.upload(tmp_path / "out", "memory://dk-manifest/run")
+    assert _uploaded(_memory_tree("/dk-manifest/run")) == files
+    assert _tree(distkit.download("memory://dk-manifest/run", tmp_path / "copy")) == files
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/dk-manifest/run/a.txt", b"ALPHA\n")  # same size, other bytes
+    with pytest.raises(storage.ChecksumMismatchError, match="the upload manifest of") as info:
+        distkit.download("memory://dk-manifest/run", tmp_path / "changed")
+    assert info.value.expected == hashlib.sha256(files["a.txt"]).hexdigest()
+    memory.rm("/dk-manifest/run/sub/b.bin")
+    with pytest.raises(
+        distkit.DistkitError, match=r"does not match its upload manifest.*\n  sub/b\.bin: missing"
+    ):
+        distkit.download("memory://dk-manifest/run", tmp_path / "missing")
+    assert not (tmp_path / "changed").exists() and not (tmp_path / "missing").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def _write_files(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def test_upload_whose_server_starts_failing_midway_is_marked_partial_and_refused_by_download(
+    tmp_path: Path, s3: S3Endpoint
+) -> None:
+    first = {f"part-{i}.bin": bytes([i]) * 1000 for i in range(8)}
+    second = {rel: data.upper() + b"2" for rel, data in first.items()}  # a later version of each
+    _write_files(tmp_path / "v1", first)
+    _write_files(tmp_path / "v2", second)
+    bucket = s3.bucket("dk-partial")
+    distkit.upload(tmp_path / "v1", "s3://dk-partial/run", storage_options=s3.options())
+    # Uploading the next version over it: the marker's put, the removal of the old manifest and
+    # two files' puts pass; then the server refuses the (unknown) access key, as S3 does.
+    with s3.checking_keys_after(4), pytest.raises(PermissionError, match="Access Key Id"):
+        distkit.upload(tmp_path / "v2", "s3://dk-partial/run", storage_options=s3.options())
+    written = _bucket_tree(bucket, "dk-partial/run")
+    assert INCOMPLETE in written and MANIFEST not in written  # the old manifest went first
+    replaced = [rel for rel, data in second.items() if written[rel] == data]
+    assert 0 < len(replaced) < len(second)  # a mix of both versions
+    with pytest.raises(distkit.DistkitError, match="holds a partial upload") as info:
+        distkit.download("s3://dk-partial/run", tmp_path / "copy", storage_options=s3.options())
+    assert f"started {json.loads(written[INCOMPLETE])['started']} by process {os.getpid()}" in str(info.value)
+    assert not (tmp_path / "copy").exists() and _leftovers(tmp_path) == []
+
+    distkit.upload(tmp_path / "v2", "s3://dk-partial/run", storage_options=s3.options())
+    assert _uploaded(_bucket_tree(bucket, "dk-partial/run")) == second  # the mark is gone
+    copy = distkit.download("s3://dk-partial/run", tmp_path / "copy", storage_options=s3.options())
+    assert _tree(copy) == second
+
+
+def _checked_upload(source: Path, dest: str, options: dict[str, Any] | None = None) -> Any:
+    """An upload whose tree has been checked and whose files are not opened yet: a fixed point at
+    which a test changes the tree. ``run()`` does the rest."""
+    options = dict(options or {})
+    return storage._plan_upload(source, dest, options, _fs.Scrubber(options, dest))
+
+
+@pytest.mark.parametrize("dest_kind", ["local", "memory", "s3"])
+def test_a_file_swapped_for_a_symlink_after_the_check_is_never_followed(
+    tmp_path: Path, s3: S3Endpoint, dest_kind: str
+) -> None:
+    tree = tmp_path / "out"
+    _make_tree(tree)
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"private data outside the tree")
+    bucket = s3.bucket("dk-swapped") if dest_kind == "s3" else None
+    dest, options, written = {
+        "local": (str(tmp_path / "up"), {}, lambda: _tree(tmp_path / "up")),
+        "memory": ("memory://dk-swapped/run", {}, lambda: _memory_tree("/dk-swapped/run")),
+        "s3": ("s3://dk-swapped/run", s3.options(), lambda: _bucket_tree(bucket, "dk-swapped/run")),
+    }[dest_kind]
+    upload = _checked_upload(tree, dest, options)
+    (tree / "sub" / "b.bin").unlink()
+    (tree / "sub" / "b.bin").symlink_to(outside)
+    with pytest.raises(
+        distkit.DistkitError, match=r"stopped at sub/b\.bin: it was replaced by a symbolic link"
+    ):
+        upload.run()
+    found = written()
+    assert b"private data outside the tree" not in found.values()
+    assert "sub/b.bin" not in found and INCOMPLETE in found and MANIFEST not in found
+
+
+@pytest.mark.parametrize("swap", ["another file", "a FIFO"])
+def test_a_file_replaced_after_the_check_stops_the_upload_without_blocking(tmp_path: Path, swap: str) -> None:
+    tree = tmp_path / "out"
+    files = _make_tree(tree)
+    upload = _checked_upload(tree, str(tmp_path / "up"))
+    victim = tree / "sub" / "b.bin"
+    if swap == "a FIFO":
+        victim.unlink()
+        os.mkfifo(victim)  # opened without O_NONBLOCK, this would wait for a writer forever
+    else:
+        (tree / "sub" / "new.bin").write_bytes(b"x" * len(files["sub/b.bin"]))
+        os.replace(tree / "sub" / "new.bin", victim)
+    what = "another file" if swap == "another file" else "something that is not a regular file"
+    with pytest.raises(distkit.DistkitError, match=rf"stopped at sub/b\.bin: it was replaced by {what}"):
+        upload.run()
+    assert sorted(_tree(tmp_path / "up")) == [INCOMPLETE, "a.txt"]  # the files before it, and the mark
+
+
+def test_file_names_with_glob_characters_land_under_their_own_names(tmp_path: Path, s3: S3Endpoint) -> None:
+    names = ["what?.txt", "whatX.txt", "star*.txt", "[ab].txt", "a.txt", "sub[1]/x?.bin", "sub1/x.bin"]
+    files = {name: name.encode() for name in names}
+    for rel, data in files.items():
+        (tmp_path / "out" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "out" / rel).write_bytes(data)
+    distkit.upload(tmp_path / "out", "memory://dk-glob/run")
+    assert _uploaded(_memory_tree("/dk-glob/run")) == files
+    bucket = s3.bucket("dk-glob")
+    distkit.upload(tmp_path / "out", "s3://dk-glob/run", storage_options=s3.options())
+    assert _uploaded(_bucket_tree(bucket, "dk-glob/run")) == files
+    distkit.upload(tmp_path / "out", str(tmp_path / "up"))
+    assert _uploaded(_tree(tmp_path / "up")) == files
+
+
+def test_names_an_object_store_would_store_elsewhere_are_refused_before_writing(
+    tmp_path: Path, s3: S3Endpoint
+) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ok.txt").write_bytes(b"ok")
+    (tmp_path / "out" / "model?versionId=3").write_bytes(b"weights")  # s3fs reads a version id
+    bucket = s3.bucket("dk-misplaced")
+    with pytest.raises(
+        distkit.DistkitError, match=r"model\?versionId=3: s3:// would store it as 'dk-misplaced/run/model'"
+    ):
+        distkit.upload(tmp_path / "out", "s3://dk-misplaced/run", storage_options=s3.options())
+    assert bucket.find("dk-misplaced") == []
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o022, 0o002])
+def test_uploaded_and_downloaded_files_follow_the_process_umask(tmp_path: Path, umask: int) -> None:
+    _make_tree(tmp_path / "out")
+    (tmp_path / "one.bin").write_bytes(PAYLOAD)
+    previous = os.umask(umask)
+    try:
+        distkit.upload(tmp_path / "out", str(tmp_path / "up"))
+        distkit.upload(tmp_path / "one.bin", f"file://{tmp_path}/single/")
+        distkit.download(tmp_path / "one.bin", tmp_path / "copy.bin", sha256=DIGEST)
+        distkit.download(f"file://{tmp_path / 'out'}", tmp_path / "copy")
+    finally:
+        os.umask(previous)
+    expected = {"file": 0o666 & ~umask, "dir": 0o777 & ~umask}
+    made = [tmp_path / "up", tmp_path / "copy", tmp_path / "single" / "one.bin", tmp_path / "copy.bin"]
+    made += [*(tmp_path / "up").rglob("*"), *(tmp_path / "copy").rglob("*")]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made}
+    assert modes == {
+        str(p.relative_to(tmp_path)): oct(expected["dir" if p.is_dir() else "file"]) for p in made
+    }
 
 
 # -- secrets --------------------------------------------------------------------------------------
@@ -460,7 +647,7 @@ def test_secrets_never_appear_in_errors_reprs_or_logs(
     assert SECRET not in main and SECRET not in other
 
     _make_tree(tmp_path / "out")
-    handle = distkit.upload(tmp_path / "out", url, background=True, storage_options=options)
+    handle = distkit.upload(tmp_path / "out" / "a.txt", url, background=True, storage_options=options)
     with pytest.raises(Exception) as failed:
         handle.wait(timeout_s=60)
     assert "***" in str(failed.value) and SECRET not in _shown(failed.value)
@@ -471,6 +658,144 @@ def test_secrets_never_appear_in_errors_reprs_or_logs(
         distkit.download(password_url, tmp_path / "m.bin")
     assert SECRET not in _shown(missing.value)
     assert caplog.text and SECRET not in caplog.text
+
+
+# Credential headers, each holding SECRET, as a client sends them.
+HEADERS = {
+    "Authorization": f"Bearer {SECRET}-authorization",
+    "Cookie": f"session={SECRET}-cookie",
+    "X-Api-Key": f"{SECRET}-api-key",
+}
+
+
+def _everything_shown(err: BaseException) -> str:
+    """All that code could print of ``err``: its formatted traceback, and the str, repr, args and
+    attributes of every exception in its ``__cause__``/``__context__`` chain."""
+    parts = ["".join(traceback.format_exception(type(err), err, err.__traceback__))]
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        exc = stack.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        parts += [str(exc), repr(exc), repr(exc.args), *(repr(value) for value in vars(exc).values())]
+        stack += [exc.__cause__, exc.__context__]
+    return "\n".join(parts)
+
+
+class _Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))  # with the traceback of exc_info, if any
+
+
+@pytest.fixture
+def root_log() -> Any:
+    """What every logger emits (fsspec, aiohttp, botocore, s3fs, distkit), with the root at DEBUG."""
+    root = logging.getLogger()
+    keep, level = _Keep(), root.level
+    root.addHandler(keep)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield keep.lines
+    finally:
+        root.removeHandler(keep)
+        root.setLevel(level)
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_credentials_stay_out_of_http_errors_their_whole_chains_and_all_logs(
+    http_server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root_log: list[str]
+) -> None:
+    monkeypatch.setattr(storage, "_RETRY_BASE_S", 0.01)
+    http_server.files["/data.bin"] = PAYLOAD
+    options = {"headers": HEADERS}
+    missing = http_server.url(f"/missing.bin?sig={SECRET}-sig&se=2030")
+    # aiohttp keeps the request's headers on its error, where only repr shows them.
+    with pytest.raises(FileNotFoundError) as raw:
+        fsspec.filesystem("http", **options).info(http_server.url("/missing.bin"))
+    assert SECRET in repr(raw.value.__cause__)
+
+    failures: list[BaseException] = []
+    password_url = f"http://user:{SHORT_SECRET}@127.0.0.1:{http_server.port}/missing.bin"
+    for url in (http_server.url("/missing.bin"), missing, password_url):
+        with pytest.raises(FileNotFoundError) as info:  # a 404: still a FileNotFoundError
+            distkit.download(url, tmp_path / "d.bin", storage_options=options)
+        failures.append(info.value)
+    http_server.fail_next(1000)  # 500s: retried, then given up
+    for url in (http_server.url(f"/data.bin?sig={SECRET}-sig"), f"http://127.0.0.1:{_closed_port()}/x"):
+        with pytest.raises(distkit.DistkitError, match="failed after 4 attempts") as info:
+            distkit.download(url, tmp_path / "d.bin", storage_options=options)
+        failures.append(info.value)
+    http_server.fail_next(0)
+    http_server.expected_auth = "Bearer the-right-one"  # rejects the upload, quoting the header back
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with pytest.raises(Exception, match="401") as info:
+        distkit.upload(
+            tmp_path / "a.txt", http_server.url(f"/a.txt?sig={SECRET}-sig"), storage_options=options
+        )
+    failures.append(info.value)
+
+    for failure in failures:
+        shown = _everything_shown(failure)
+        assert SECRET not in shown and f":{SHORT_SECRET}@" not in shown, shown
+    assert str(failures[0]).startswith(http_server.url("/missing.bin (caused by aiohttp"))
+    assert "/missing.bin?sig=***&se=***" in str(failures[1])  # still says which file
+    logs = "\n".join(root_log)
+    assert "retrying in 0.01 s" in logs and "fsspec.http" in logs  # fsspec logged the requests...
+    assert SECRET not in logs and f":{SHORT_SECRET}@" not in logs  # ...with the credentials hidden
+
+
+def test_credentials_stay_out_of_s3_errors_and_of_botocore_debug_logs(
+    tmp_path: Path, s3: S3Endpoint, root_log: list[str]
+) -> None:
+    _make_tree(tmp_path / "out")
+    s3.bucket("dk-secrets").pipe("dk-secrets/data.bin", PAYLOAD)
+    options = s3.options(key=f"AKIA{SECRET}", secret=f"{SECRET}-secret", token=f"{SECRET}-session")
+    with s3.checking_keys_after(0):
+        with pytest.raises(PermissionError) as up:
+            distkit.upload(tmp_path / "out", "s3://dk-secrets/run", storage_options=options)
+        with pytest.raises(PermissionError) as down:
+            distkit.download("s3://dk-secrets/data.bin", tmp_path / "d.bin", storage_options=options)
+    for failure in (up.value, down.value):
+        assert SECRET not in _everything_shown(failure)
+    logs = "\n".join(root_log)
+    assert "botocore" in logs and "Authorization" in logs  # botocore logged its requests...
+    assert SECRET not in logs  # ...with the key id, the session token and the signature hidden
+
+
+def test_every_kind_of_credential_option_is_hidden_and_ordinary_options_are_not() -> None:
+    options = {
+        "passphrase": "pass-phrase-value",
+        "connection_string": "DefaultEndpointsProtocol=https;AccountKey=account-key-value",
+        "credentials": {"private_key": "credentials-value"},
+        "creds": "creds-value",
+        "sig": "sig-value",
+        "github_pat": "pat-value-1",
+        "client_kwargs": {"headers": {"Cookie": "c=cookie-value", "X-Api-Key": "k9", "Bearer": "bearer-v"}},
+        "endpoint_url": "http://minio.local:9000",
+        "path": "keep-this-path",
+    }
+    scrub = _fs.Scrubber(options, "https://tok3n-as-user@host/x")
+    secrets = ["pass-phrase-value", "account-key-value", "credentials-value", "creds-value", "sig-value"]
+    secrets += ["pat-value-1", "cookie-value", "bearer-v", "tok3n-as-user"]
+    text = scrub.text(" ".join(secrets) + " k9 ok9x http://minio.local:9000 keep-this-path")
+    assert not [secret for secret in secrets if secret in text], text
+    assert " k9 " not in text and "ok9x" in text  # a short secret goes only where it stands alone
+    assert "http://minio.local:9000" in text and "keep-this-path" in text
+    assert _fs.redact_url("simplecache::https://u:pw@h/x?X-Amz-Signature=s&v=1") == (
+        "simplecache::https://***@h/x?X-Amz-Signature=***&v=***"
+    )
 
 
 # -- the example ----------------------------------------------------------------------------------
@@ -500,4 +825,4 @@ def test_example_runs_under_torchrun_with_a_local_http_server(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "uploaded" in proc.stdout
-    assert sorted(p.name for p in (tmp_path / "uploaded").iterdir()) == ["metrics.json", "model.pt"]
+    assert sorted(p.name for p in (tmp_path / "uploaded").iterdir()) == [MANIFEST, "metrics.json", "model.pt"]

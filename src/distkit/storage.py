@@ -9,21 +9,31 @@ an ``flock`` lock beside the destination (two jobs on one node never fetch at on
 releases the lock of a holder that dies). The data goes to a temporary name in the destination's
 directory, is fsynced and checked, and only then renamed into place.
 
-:func:`upload` runs on rank 0 only. Nothing outside the source tree is ever read, and each remote
+:func:`upload` runs on rank 0 only. Nothing outside the source tree is ever read (each file is
+opened without following links and checked to be the file the tree check saw), and each remote
 object appears whole: local targets through a temporary file and a rename, object stores because a
-put is atomic there, other filesystems through a temporary name and a move.
+put is atomic there, other filesystems through a temporary name and a move. A directory upload is
+framed by two markers: ``_DISTKIT_INCOMPLETE`` is written first, and the manifest
+``_DISTKIT_MANIFEST.json`` (every file's size and SHA-256) last, so a reader can tell a complete tree
+from a partial one; :func:`download` refuses a partial one and checks a complete one against it.
 
-Secrets in ``storage_options`` (and passwords or query strings in URLs) are replaced by ``***`` in
-every message, log line and ``repr`` distkit produces.
+Credentials in ``storage_options``, in URLs and in HTTP headers are replaced by ``***`` in every
+message, exception chain, ``repr`` and log line (distkit's, and fsspec's, aiohttp's and botocore's
+during a call); see :class:`distkit._fs.Scrubber`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import datetime
 import errno
 import hashlib
+import json
+import mimetypes
 import os
+import platform
 import posixpath
 import shutil
 import stat
@@ -31,20 +41,28 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import filelock
 import fsspec
 
 from distkit import coordination, runtime
-from distkit._fs import TEMP_MARKER, atomic_open, fsync_dir, temp_name
-from distkit.errors import DistkitError, MainProcessError
+from distkit._fs import (
+    TEMP_MARKER,
+    Scrubber,
+    atomic_open,
+    fd_path,
+    fsync_dir,
+    redact_url,
+    temp_name,
+    umask_mode,
+)
+from distkit.errors import DistkitError
 
 __all__ = ["ChecksumMismatchError", "LockTimeoutError", "UploadHandle", "download", "upload"]
 
@@ -81,11 +99,20 @@ _TRANSIENT_ERRNOS = frozenset(
         errno.EAGAIN,
     }
 )
-# Option names whose values are secrets, matched as substrings of the lower-cased name: key,
-# secret, token, password (s3fs, gcsfs, adlfs), Authorization headers, session tokens, SAS strings.
-_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "signature", "sas")
-# Shorter values would blank out ordinary words in messages; real secrets are long.
-_MIN_SECRET_LEN = 4
+# The markers of a directory upload, at the top of the destination. The leading underscore makes
+# dataset readers skip them (pyarrow, Spark and Hive ignore names starting with "_" or ".").
+# The manifest exists only once every file is in place, as Hadoop's _SUCCESS does, so a sensor
+# that waits for it needs no parsing; _DISTKIT_INCOMPLETE is what tells a partial tree written by
+# distkit (failed, killed or still running) from a tree someone else wrote.
+MANIFEST_NAME = "_DISTKIT_MANIFEST.json"
+INCOMPLETE_NAME = "_DISTKIT_INCOMPLETE"
+_MARKERS = frozenset({MANIFEST_NAME, INCOMPLETE_NAME})
+_MANIFEST_FORMAT = "distkit-upload"
+_MANIFEST_VERSION = 1
+# At most this many threads hash uploaded files beside the transfer: enough that hashing (OpenSSL's
+# SHA-256: roughly 1.5-2 GB/s per core with SHA extensions, published figures) rarely limits an
+# upload, few enough not to take the cores of a training job that uploads in the background.
+_HASH_THREADS = 2
 
 
 def _log() -> runtime.RankLoggerAdapter:
@@ -136,107 +163,6 @@ class LockTimeoutError(DistkitError, filelock.Timeout):
         return type(self), (self._message, self._lock_file)
 
 
-# -- secrets --------------------------------------------------------------------------------------
-
-
-def _redact_url(url: str) -> str:
-    """``url`` without the password of its user part and without its query string."""
-    if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", parts.fragment))
-
-
-def _string_leaves(value: Any) -> Iterable[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, bytes):
-        yield value.decode(errors="replace")
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _string_leaves(item)
-    elif isinstance(value, (list, tuple, set, frozenset)):  # namedtuples too, e.g. aiohttp.BasicAuth
-        for item in value:
-            yield from _string_leaves(item)
-
-
-def _secret_values(options: Any, urls: Iterable[str]) -> tuple[str, ...]:
-    found: set[str] = set()
-
-    def visit(obj: Any) -> None:
-        if isinstance(obj, Mapping):
-            for name, value in obj.items():
-                if isinstance(name, str) and any(word in name.lower() for word in _SECRET_WORDS):
-                    found.update(_string_leaves(value))
-                else:
-                    visit(value)
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item)
-
-    visit(options)
-    for url in urls:
-        if "://" in url:
-            parts = urlsplit(url)
-            found.update(s for s in (parts.password, parts.query) if s)
-    # Longest first, so that a secret containing another is replaced whole.
-    return tuple(sorted((s for s in found if len(s) >= _MIN_SECRET_LEN), key=len, reverse=True))
-
-
-class _Scrubber:
-    """Replaces the secrets of one call's options and URLs in text and exceptions."""
-
-    def __init__(self, options: Any, *urls: str) -> None:
-        self.secrets = _secret_values(options, urls)
-
-    def text(self, text: str) -> str:
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def url(self, url: str) -> str:
-        return self.text(_redact_url(url))
-
-    def clean(self, err: BaseException) -> BaseException:
-        """``err`` itself when no secret shows in it or its chain, else a scrubbed copy."""
-        if not self.secrets:
-            return err
-        shown = "".join(traceback.format_exception(type(err), err, err.__traceback__)) + repr(err.args)
-        if not any(secret in shown for secret in self.secrets):
-            return err
-        if isinstance(err, MainProcessError):
-            return MainProcessError(
-                self.text(str(err)),
-                exc_type=err.exc_type,
-                exc_message=self.text(err.exc_message),
-                remote_traceback=self.text(err.remote_traceback),
-            )
-        # A new exception without the original attached (its traceback and chain hold the
-        # secret), whose message keeps the chain's messages: the cause is often the useful part.
-        described = f"{coordination._type_name(err)}: {err}"
-        seen = {id(err)}
-        link = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-        while link is not None and id(link) not in seen:
-            seen.add(id(link))
-            described += f" (caused by {coordination._type_name(link)}: {link})"
-            link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
-        return DistkitError(self.text(described))
-
-
-def _scrubbed_call(scrub: _Scrubber, fn: Callable[..., T], *args: Any) -> T:
-    try:
-        return fn(*args)
-    except Exception as err:
-        failure = scrub.clean(err)
-        if failure is err:
-            raise
-    # Raised outside the except block, so the scrubbed error carries no context with the secret.
-    raise failure
-
-
 # -- retries --------------------------------------------------------------------------------------
 
 
@@ -263,7 +189,7 @@ def _is_transient(err: BaseException) -> bool:
     return False
 
 
-def _with_retries(fn: Callable[[], T], *, what: str, scrub: _Scrubber) -> T:
+def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
     attempt = 1
     while True:
         try:
@@ -371,7 +297,7 @@ class _Download:
     sha256: str | None
     options: dict[str, Any]
     timeout_s: float
-    scrub: _Scrubber
+    scrub: Scrubber
 
     @property
     def shown(self) -> str:
@@ -379,7 +305,7 @@ class _Download:
 
     def fetch(self) -> tuple[int, int, int] | None:
         """Make ``dest`` hold a verified copy (fetching only when needed); return its fingerprint."""
-        return _scrubbed_call(self.scrub, self._fetch)
+        return self.scrub.call(self._fetch)
 
     def _fetch(self) -> tuple[int, int, int] | None:
         dest = self.dest
@@ -459,20 +385,24 @@ class _Download:
             options["client_kwargs"] = client_kwargs
         return fsspec.core.url_to_fs(self.source, **options)  # type: ignore[no-any-return]
 
-    def _copy(self, fs: Any, path: str, out: Any) -> str:
+    def _copy(self, fs: Any, path: str, out: Any) -> tuple[int, str]:
+        """Copy ``path`` to ``out``; return the size and SHA-256 of what was copied."""
         digest = hashlib.sha256()
+        size = 0
         # block_size=0: one streaming GET over HTTP instead of a ranged request per block.
         extra = {"block_size": 0} if "http" in _protocols(fs) else {}
         with fs.open(path, "rb", **extra) as src:
             while chunk := src.read(_CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
-        return digest.hexdigest()
+                size += len(chunk)
+        return size, digest.hexdigest()
 
     def _fetch_file(self, fs: Any, path: str) -> None:
         # atomic_open: temporary name beside dest, fsync, rename; an exception removes the file.
-        with atomic_open(self.dest, mode=0o644) as out:
-            actual = self._copy(fs, path, out)
+        # The file gets the bits open() would give it under the process umask.
+        with atomic_open(self.dest, mode=umask_mode(0o666)) as out:
+            _, actual = self._copy(fs, path, out)
             if self.sha256 is not None and actual != self.sha256:
                 raise ChecksumMismatchError(
                     f"{_label()} the sha256 of {self.shown} is {actual}, expected {self.sha256}; "
@@ -489,26 +419,43 @@ class _Download:
             what=f"listing {self.shown}",
             scrub=self.scrub,
         )
+        members: dict[str, tuple[str, dict[str, Any]]] = {}
+        for name, info in entries.items():
+            rel = _relative(root, name)
+            if rel:
+                members[rel] = (name, info)
+        # Refuses a partial upload before anything is fetched.
+        promised = self._upload_manifests(fs, members)
         work = Path(tempfile.mkdtemp(prefix=temp_name(self.dest), dir=self.dest.parent))
         count = 0
         try:
-            for name, info in sorted(entries.items()):
-                rel = _relative(root, name)
-                if not rel:
-                    continue
+            for rel, (name, info) in sorted(members.items()):
+                if posixpath.basename(rel) in _MARKERS:
+                    continue  # checked above; not part of the data
                 target = work.joinpath(*rel.split("/"))
                 if info.get("type") == "directory":
                     target.mkdir(parents=True, exist_ok=True)
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
-                _with_retries(
+                got = _with_retries(
                     lambda name=name, target=target: self._fetch_member(fs, name, target),
                     what=f"downloading {self.scrub.url(name)}",
                     scrub=self.scrub,
                 )
+                expected = promised.get(rel)
+                if expected is not None and got != expected:
+                    raise ChecksumMismatchError(
+                        f"{_label()} {self.scrub.url(name)} has {got[0]} bytes and sha256 {got[1]}, but "
+                        f"the upload manifest of {self.shown} promises {expected[0]} bytes and sha256 "
+                        f"{expected[1]}: the tree changed after it was uploaded (is another upload to it "
+                        f"running?). Nothing was written to {self.dest}; download again once the tree "
+                        f"is complete.",
+                        expected=expected[1],
+                        actual=got[1],
+                    )
                 count += 1
             _fsync_tree(work)
-            os.chmod(work, 0o755)  # mkdtemp made it private to this user
+            os.chmod(work, umask_mode(0o777))  # mkdtemp made it private to this user
             os.rename(work, self.dest)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -516,10 +463,85 @@ class _Download:
         fsync_dir(self.dest.parent)
         return count
 
-    def _fetch_member(self, fs: Any, name: str, target: Path) -> None:
+    def _upload_manifests(self, fs: Any, members: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        """What the upload manifests in the tree promise, by relative name: ``(size, sha256)``.
+
+        Raises when a directory holds the mark of a partial upload and no manifest, or when the
+        listing already shows a promised file missing or of another size.
+        """
+        promised: dict[str, tuple[int, str]] = {}
+        problems: list[str] = []
+        for rel, (name, _) in sorted(members.items()):
+            folder, base = posixpath.split(rel)
+            prefix = f"{folder}/" if folder else ""
+            if base == INCOMPLETE_NAME and prefix + MANIFEST_NAME not in members:
+                raise DistkitError(
+                    f"{_label()} {self.shown} holds a partial upload: {self.scrub.url(name)} marks "
+                    f"{folder or 'the tree'} as written by distkit.upload() without its manifest "
+                    f"{MANIFEST_NAME}, so that upload failed, was killed, or is still running"
+                    f"{self._describe_incomplete(fs, name)}. Nothing was written to {self.dest}. Wait for "
+                    f"the upload to finish or run it again, then download again."
+                )
+            if base != MANIFEST_NAME:
+                continue
+            data = _with_retries(
+                lambda name=name: fs.cat_file(name), what=f"reading {self.scrub.url(name)}", scrub=self.scrub
+            )
+            for file_rel, (size, sha256) in _parse_manifest(data, self.scrub.url(name)).items():
+                key = prefix + file_rel
+                member = members.get(key)
+                if member is None or member[1].get("type") == "directory":
+                    problems.append(f"{key}: missing")
+                elif member[1].get("size") is not None and member[1]["size"] != size:
+                    problems.append(f"{key}: {member[1]['size']} bytes, the manifest says {size}")
+                promised[key] = (size, sha256)
+        if problems:
+            listed = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise DistkitError(
+                f"{_label()} {self.shown} does not match its upload manifest {MANIFEST_NAME}:\n  "
+                f"{listed}{more}\nThe tree changed after it was uploaded (is another upload to it "
+                f"running?). Nothing was written to {self.dest}; download again once it is complete."
+            )
+        return promised
+
+    def _describe_incomplete(self, fs: Any, name: str) -> str:
+        # Who wrote the marker and when, to tell a running upload from a dead one; best effort.
+        try:
+            info = json.loads(fs.cat_file(name))
+            return f" (started {info['started']} by process {int(info['pid'])} on {info['host']})"
+        except Exception:
+            return ""
+
+    def _fetch_member(self, fs: Any, name: str, target: Path) -> tuple[int, str]:
         # Inside the private work directory: nobody sees it until the whole tree is renamed.
         with open(target, "wb") as out:
-            self._copy(fs, name, out)
+            return self._copy(fs, name, out)
+
+
+def _parse_manifest(data: bytes, shown: str) -> dict[str, tuple[int, str]]:
+    """The ``{relative name: (size, sha256)}`` of an upload manifest."""
+    try:
+        document = json.loads(data)
+        if not isinstance(document, dict) or document.get("format") != _MANIFEST_FORMAT:
+            raise ValueError(f"its format is not {_MANIFEST_FORMAT!r}")
+        if document.get("version") != _MANIFEST_VERSION:
+            raise ValueError(
+                f"it has version {document.get('version')!r}, this distkit reads {_MANIFEST_VERSION} "
+                f"(upgrade distkit to read newer manifests)"
+            )
+        files: dict[str, tuple[int, str]] = {}
+        for rel, entry in document["files"].items():
+            size, sha256 = entry["size"], entry["sha256"]
+            if not isinstance(size, int) or not isinstance(sha256, str) or _check_sha256(sha256) is None:
+                raise ValueError(f"the entry of {rel!r} is {entry!r}")
+            files[rel] = (size, sha256.lower())
+        return files
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DistkitError(
+            f"{shown} is not a readable distkit upload manifest: {err}. Remove it if the tree was not "
+            f"written by distkit.upload(), or upload the tree again."
+        ) from None
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -595,7 +617,7 @@ def download(
         sha256=_check_sha256(sha256),
         options=options,
         timeout_s=coordination._check_timeout(timeout_s),
-        scrub=_Scrubber(options, source_text),
+        scrub=Scrubber(options, source_text),
     )
 
     def coordinated() -> Path:
@@ -613,7 +635,7 @@ def download(
             job.fetch()
         return dest_path
 
-    return _scrubbed_call(job.scrub, coordinated)
+    return job.scrub.call(coordinated)
 
 
 # -- upload ---------------------------------------------------------------------------------------
@@ -687,34 +709,76 @@ class UploadHandle:
         return f"UploadHandle(source={str(self.source)!r}, dest_url={self.dest_url!r}, state={state!r})"
 
 
+# Open an upload's files without following a symlink in the last component; a FIFO swapped in
+# must not block the open (it is then refused as not a regular file).
+_OPEN_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+@dataclass(frozen=True)
+class _UploadFile:
+    """One file of an upload, as the tree check saw it."""
+
+    path: Path  # what is opened: the file itself, or the (resolved, in-tree) target of a symlink
+    rel: str  # its name inside the upload, with "/": the manifest's key
+    remote: str  # where it goes on the destination filesystem
+    identity: tuple[int, int]  # (st_dev, st_ino) at the check; what is opened must be this file
+
+
 @dataclass
 class _Upload:
     """A checked upload: which local files go to which remote paths, and how to write them."""
 
     fs: Any
-    files: list[tuple[Path, str]]
+    source: Path
+    files: list[_UploadFile]
+    remote_root: str
     remote_dirs: list[str]
+    tree: bool  # a directory: framed by the markers, each file hashed for the manifest
     shown: str
-    scrub: _Scrubber
+    scrub: Scrubber
+    kind: str = field(init=False)  # "local", "object" (one atomic put) or "renamed" (put, then move)
+
+    def __post_init__(self) -> None:
+        protocols = set(_protocols(self.fs))
+        if protocols & {"file", "local"}:
+            self.kind = "local"
+        elif protocols & _OBJECT_STORES:
+            self.kind = "object"
+        else:
+            self.kind = "renamed"
 
     def run(self) -> None:
         started = time.monotonic()
-        protocols = set(_protocols(self.fs))
-        if "file" in protocols or "local" in protocols:
-            self._write_local()
-        elif protocols & _OBJECT_STORES:
-            if self.files:
-                # One batch: async filesystems (s3fs, gcsfs, adlfs) send the files concurrently.
-                local_paths = [str(lpath) for lpath, _ in self.files]
-                remote_paths = [rpath for _, rpath in self.files]
-                _with_retries(
-                    lambda: self.fs.put(local_paths, remote_paths),
-                    what=f"uploading to {self.shown}",
-                    scrub=self.scrub,
-                )
-        else:
-            self._write_renamed()
-        size = sum(lpath.stat().st_size for lpath, _ in self.files)
+        mode = umask_mode(0o666)  # what open() would give: the process umask decides
+        self._make_dirs()
+        if self.tree:
+            # Marked partial before any file changes, and the manifest of an earlier upload to the
+            # same place removed: from here until the new manifest, a reader sees a partial tree.
+            self._write_marker(INCOMPLETE_NAME, _marker_json(started=_now()), mode)
+            self._remove_marker(MANIFEST_NAME)
+        # Only a tree's files are hashed (for its manifest), on threads beside the transfer.
+        hasher = (
+            concurrent.futures.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="distkit-upload-hash")
+            if self.tree
+            else None
+        )
+        try:
+            if self.kind == "local":
+                entries = self._write_local(hasher, mode)
+            elif self.kind == "object" and getattr(self.fs, "async_impl", False):
+                entries = self._put_concurrently(hasher)
+            else:
+                entries = self._put_each(hasher)
+        finally:
+            if hasher is not None:
+                hasher.shutdown(wait=True)
+        if self.tree:
+            files = {rel: {"size": size, "sha256": sha256} for rel, (size, sha256) in sorted(entries.items())}
+            self._write_marker(MANIFEST_NAME, _marker_json(created=_now(), files=files), mode)
+            self._remove_marker(INCOMPLETE_NAME)
+        size = sum(size for size, _ in entries.values())
         _log().info(
             "uploaded %d file%s (%d bytes) to %s in %.2f s",
             len(self.files),
@@ -724,35 +788,263 @@ class _Upload:
             time.monotonic() - started,
         )
 
-    def _write_local(self) -> None:
-        for rdir in self.remote_dirs:
-            os.makedirs(rdir, exist_ok=True)
-        for lpath, rpath in self.files:
-            os.makedirs(os.path.dirname(rpath) or ".", exist_ok=True)
-            with atomic_open(rpath, mode=0o644) as out, open(lpath, "rb") as src:
-                shutil.copyfileobj(src, out, _CHUNK)
+    # -- reading the source safely
 
-    def _write_renamed(self) -> None:
-        # A reader of the final name sees nothing or the whole file: write a temporary name in the
-        # same directory, then move it (a rename on these filesystems, a dict move for memory://).
-        for rdir in self.remote_dirs:
-            self.fs.makedirs(rdir, exist_ok=True)
-        for lpath, rpath in self.files:
-            parent, name = posixpath.split(rpath)
-            self.fs.makedirs(parent, exist_ok=True)
-            tmp = posixpath.join(parent, f".{name}{TEMP_MARKER}-{uuid.uuid4().hex}")
+    def _open(self, item: _UploadFile) -> tuple[int, os.stat_result]:
+        """Open ``item`` and check it is the regular file the tree check saw; never follow a link."""
+        try:
+            fd = os.open(item.path, _OPEN_FLAGS)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EMLINK):  # EMLINK: FreeBSD's O_NOFOLLOW answer
+                reason = "it was replaced by a symbolic link"
+            elif err.errno == errno.ENOENT:
+                reason = "it was removed"
+            else:
+                reason = f"it can no longer be opened ({err.strerror})"
+            raise self._changed(item, reason) from err
+        before = os.fstat(fd)
+        if stat.S_ISREG(before.st_mode) and (before.st_dev, before.st_ino) == item.identity:
+            return fd, before
+        os.close(fd)
+        what = "another file" if stat.S_ISREG(before.st_mode) else "something that is not a regular file"
+        raise self._changed(item, f"it was replaced by {what}")
+
+    def _check_unchanged(self, item: _UploadFile, fd: int, before: os.stat_result, read: int | None) -> None:
+        """Raise if ``item`` was written to since it was opened (``read``: the bytes read of it)."""
+        after = os.fstat(fd)
+        read_other = read is not None and read != before.st_size
+        if read_other or (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            raise self._changed(item, "it was written to while it was being uploaded")
+
+    def _changed(self, item: _UploadFile, reason: str) -> DistkitError:
+        partial = (
+            f" The destination is marked partial by {INCOMPLETE_NAME} and has no {MANIFEST_NAME}."
+            if self.tree
+            else ""
+        )
+        return DistkitError(
+            f"{_label()} upload of {self.source} to {self.shown} stopped at {item.rel}: {reason} after "
+            f"the tree was checked; nothing is read through a changed entry.{partial} Upload again "
+            f"once nothing writes to the source any more."
+        )
+
+    # -- writing
+
+    def _write_local(
+        self, hasher: concurrent.futures.Executor | None, mode: int
+    ) -> dict[str, tuple[int, str | None]]:
+        entries: dict[str, tuple[int, str | None]] = {}
+        for item in self.files:
+            os.makedirs(os.path.dirname(item.remote) or ".", exist_ok=True)
+            fd, before = self._open(item)
             try:
-                _with_retries(
-                    lambda lpath=lpath, tmp=tmp: self.fs.put_file(str(lpath), tmp),
-                    what=f"uploading to {self.scrub.url(rpath)}",
-                    scrub=self.scrub,
-                )
-                self.fs.mv(tmp, rpath)
+                with atomic_open(item.remote, mode=mode) as out:
+                    size, sha256 = _copy_fd(fd, out, hasher)
+                    self._check_unchanged(item, fd, before, size)  # inside: a change commits nothing
+            finally:
+                os.close(fd)
+            entries[item.rel] = (size, sha256)
+        return entries
+
+    def _put_options(self, item: _UploadFile) -> dict[str, Any]:
+        # s3fs names an object's Content-Type after the local file's name, which is /proc/self/fd/N
+        # here: name it after the real one, as s3fs would have.
+        if {"s3", "s3a"} & set(_protocols(self.fs)):
+            content_type, _ = mimetypes.guess_type(item.rel)
+            if content_type is not None:
+                return {"ContentType": content_type}
+        return {}
+
+    def _put_concurrently(
+        self, hasher: concurrent.futures.Executor | None
+    ) -> dict[str, tuple[int, str | None]]:
+        """Async object stores: the puts run concurrently, as ``fs.put`` would run them."""
+        fs = self.fs
+        entries: dict[str, tuple[int, str | None]] = {}
+        remaining = list(self.files)
+
+        async def put_one(item: _UploadFile, gate: asyncio.Semaphore) -> tuple[int, str | None]:
+            async with gate:
+                fd, before = self._open(item)
+                try:
+                    loop = asyncio.get_running_loop()
+                    hashing = loop.run_in_executor(hasher, _sha256_fd, fd) if hasher is not None else None
+                    try:
+                        await fs._put_file(fd_path(fd), item.remote, **self._put_options(item))
+                    finally:
+                        hashed = await hashing if hashing is not None else None  # before fd closes
+                    self._check_unchanged(item, fd, before, hashed[0] if hashed else None)
+                    return hashed if hashed is not None else (before.st_size, None)
+                finally:
+                    os.close(fd)
+
+        async def put_all(items: list[_UploadFile]) -> list[Any]:
+            gate = asyncio.Semaphore(_concurrency(fs, len(items)))
+            return await asyncio.gather(*(put_one(item, gate) for item in items), return_exceptions=True)
+
+        def attempt() -> None:
+            # A retry sends only the files that failed.
+            results = fsspec.asyn.sync(fs.loop, put_all, list(remaining))
+            failures = []
+            for item, result in zip(list(remaining), results, strict=True):
+                if isinstance(result, BaseException):
+                    failures.append((item, result))
+                else:
+                    entries[item.rel] = result
+            remaining[:] = [item for item, _ in failures]
+            if failures:
+                errors = [error for _, error in failures]
+                # Retried only when every failure is worth retrying; a changed file ends the upload.
+                raise next((error for error in errors if not _is_transient(error)), errors[0])
+
+        if remaining:
+            _with_retries(attempt, what=f"uploading to {self.shown}", scrub=self.scrub)
+        return entries
+
+    def _put_each(self, hasher: concurrent.futures.Executor | None) -> dict[str, tuple[int, str | None]]:
+        """One file at a time: other filesystems (through a temporary name, then a move) and
+        object stores without an async API (a direct put)."""
+        entries: dict[str, tuple[int, str | None]] = {}
+        for item in self.files:
+            target = item.remote
+            if self.kind == "renamed":
+                # A reader of the final name sees nothing or the whole file.
+                parent, name = posixpath.split(item.remote)
+                self.fs.makedirs(parent, exist_ok=True)
+                target = posixpath.join(parent, f".{name}{TEMP_MARKER}-{uuid.uuid4().hex}")
+            fd, before = self._open(item)
+            try:
+                hashing = hasher.submit(_sha256_fd, fd) if hasher is not None else None
+                try:
+                    _with_retries(
+                        lambda fd=fd, target=target, item=item: self._put_fd(fd, target, item),
+                        what=f"uploading to {self.scrub.url(item.remote)}",
+                        scrub=self.scrub,
+                    )
+                finally:
+                    hashed = hashing.result() if hashing is not None else None  # before fd closes
+                self._check_unchanged(item, fd, before, hashed[0] if hashed else None)
+                if target != item.remote:
+                    self._move(target, item.remote)
             except BaseException:
-                with contextlib.suppress(Exception):
-                    if self.fs.exists(tmp):
-                        self.fs.rm(tmp)
+                if target != item.remote:
+                    with contextlib.suppress(Exception):
+                        self.fs.rm_file(target)
                 raise
+            finally:
+                os.close(fd)
+            entries[item.rel] = hashed if hashed is not None else (before.st_size, None)
+        return entries
+
+    def _put_fd(self, fd: int, target: str, item: _UploadFile) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)  # where /dev/fd/N shares fd's offset (macOS), start over
+        self.fs.put_file(fd_path(fd), target, **self._put_options(item))
+
+    def _move(self, tmp: str, final: str) -> None:
+        if type(self.fs).mv is fsspec.AbstractFileSystem.mv:
+            # fsspec's generic mv expands glob characters in the name ("what?.txt", "[ab].txt"),
+            # so it moves the wrong file or none; copying one file and deleting it expands nothing.
+            self.fs.cp_file(tmp, final)
+            self.fs.rm_file(tmp)
+        else:
+            self.fs.mv(tmp, final)  # the filesystem's own rename (sftp, ftp, smb, ...)
+
+    # -- the markers
+
+    def _make_dirs(self) -> None:
+        if self.kind == "local":
+            for rdir in self.remote_dirs:
+                os.makedirs(rdir, exist_ok=True)
+        elif self.kind == "renamed":
+            for rdir in self.remote_dirs:
+                self.fs.makedirs(rdir, exist_ok=True)
+
+    def _write_marker(self, name: str, data: bytes, mode: int) -> None:
+        path = posixpath.join(self.remote_root, name)
+        if self.kind == "local":
+            with atomic_open(path, mode=mode) as out:
+                out.write(data)
+            return
+        target = path
+        if self.kind == "renamed":
+            target = posixpath.join(self.remote_root, f".{name}{TEMP_MARKER}-{uuid.uuid4().hex}")
+        _with_retries(
+            lambda: self.fs.pipe_file(target, data),
+            what=f"writing {self.scrub.url(path)}",
+            scrub=self.scrub,
+        )
+        if target != path:
+            self._move(target, path)
+
+    def _remove_marker(self, name: str) -> None:
+        path = posixpath.join(self.remote_root, name)
+        if self.kind == "local":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                fsync_dir(self.remote_root)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            _with_retries(
+                lambda: self.fs.rm_file(path), what=f"removing {self.scrub.url(path)}", scrub=self.scrub
+            )
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _marker_json(**fields: Any) -> bytes:
+    if "files" not in fields:  # the partial-upload marker: who is writing, to tell a live upload
+        fields.update(host=platform.node(), pid=os.getpid())
+    document = {"format": _MANIFEST_FORMAT, "version": _MANIFEST_VERSION, **fields}
+    return (json.dumps(document, indent=1) + "\n").encode()
+
+
+def _copy_fd(fd: int, out: Any, hasher: concurrent.futures.Executor | None) -> tuple[int, str | None]:
+    """Copy the open file ``fd`` to ``out``; return the size and, with a ``hasher``, the SHA-256.
+
+    The hash of a chunk runs on ``hasher`` while the chunk is written (hashlib releases the GIL),
+    one chunk behind at most: the copy takes about as long as without hashing.
+    """
+    digest = hashlib.sha256() if hasher is not None else None
+    pending: concurrent.futures.Future[None] | None = None
+    size = 0
+    while chunk := os.read(fd, _CHUNK):
+        if digest is not None:
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(digest.update, chunk)  # type: ignore[union-attr]
+        out.write(chunk)
+        size += len(chunk)
+    if pending is not None:
+        pending.result()
+    return size, digest.hexdigest() if digest is not None else None
+
+
+def _sha256_fd(fd: int) -> tuple[int, str]:
+    """Size and SHA-256 of the open file ``fd``, read with ``pread`` so its offset is untouched."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return offset, digest.hexdigest()
+
+
+def _concurrency(fs: Any, count: int) -> int:
+    # As many puts at once as fsspec's own fs.put would run: the filesystem's batch_size, the
+    # "gather_batch_size" setting, or an eighth of the open-file limit (each put here holds two
+    # descriptors, the checked one and the library's).
+    limit = getattr(fs, "batch_size", None) or fsspec.config.conf.get("gather_batch_size")
+    if not limit:
+        try:
+            import resource
+
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            limit = 128 if soft == resource.RLIM_INFINITY else soft // 8
+        except (ImportError, ValueError, OSError):
+            limit = 128
+    return max(1, count if limit < 0 else min(limit, count))
 
 
 def _local_source(source: str | os.PathLike[str]) -> Path:
@@ -763,12 +1055,12 @@ def _local_source(source: str | os.PathLike[str]) -> Path:
         text = text[len("file://") :]
     elif "://" in text:
         raise ValueError(
-            f"upload() reads a local file or directory, got the URL {_redact_url(text)!r}; pass a path."
+            f"upload() reads a local file or directory, got the URL {redact_url(text)!r}; pass a path."
         )
     return Path(os.path.expanduser(text))
 
 
-def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: _Scrubber) -> _Upload:
+def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: Scrubber) -> _Upload:
     shown = scrub.url(dest_url)
     path_part = urlsplit(dest_url).path if "://" in dest_url else dest_url
     if ".." in path_part.replace("\\", "/").split("/"):
@@ -784,11 +1076,15 @@ def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: _S
     if root.is_file():
         # A trailing slash means "into this directory", as with cp.
         target = posixpath.join(remote_root, source.name) if dest_url.endswith("/") else remote_root
-        return _Upload(fs, [(root, target)], [], shown, scrub)
+        item = _UploadFile(root, source.name, target, _identity(os.stat(root)))
+        problems = _misplaced_names(fs, [item])
+        if problems:
+            raise DistkitError(f"{_label()} upload of {source} refused: {problems[0]}")
+        return _Upload(fs, source, [item], posixpath.dirname(target), [], False, shown, scrub)
     if not root.is_dir():
         raise DistkitError(f"upload source {source} is not a regular file or a directory.")
 
-    files: list[tuple[Path, str]] = []
+    files: list[_UploadFile] = []
     remote_dirs = [remote_root]
     problems: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -805,25 +1101,56 @@ def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: _S
         for name in sorted(filenames):
             entry = here / name
             rel = entry.relative_to(root).as_posix()
+            if rel in _MARKERS:
+                # The upload writes its own; one copied from another upload would mislead.
+                _log().info("not uploading %s: the upload writes its own %s", entry, rel)
+                continue
+            remote = posixpath.join(remote_root, rel)
             if entry.is_symlink():
                 target = _symlink_target(entry)
                 if target is None or not target.is_relative_to(root) or not target.is_file():
                     problems.append(_symlink_problem(entry, rel, root, directory=False))
                     continue
-                files.append((target, posixpath.join(remote_root, rel)))
-            elif stat.S_ISREG(os.lstat(entry).st_mode):
-                files.append((entry, posixpath.join(remote_root, rel)))
+                files.append(_UploadFile(target, rel, remote, _identity(os.stat(target))))
+                continue
+            info = os.lstat(entry)
+            if stat.S_ISREG(info.st_mode):
+                files.append(_UploadFile(entry, rel, remote, _identity(info)))
             else:
                 problems.append(f"{rel}: not a regular file (a FIFO, socket or device)")
+    problems += _misplaced_names(fs, files)
     if problems:
         listed = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise DistkitError(
             f"{_label()} upload of {source} refused before writing anything: {len(problems)} "
-            f"entr{'y' if len(problems) == 1 else 'ies'} would read outside the source tree or cannot "
-            f"be read safely:\n  {listed}{more}\nRemove them, or copy what they point to into the tree."
+            f"entr{'y' if len(problems) == 1 else 'ies'} would read outside the source tree, cannot "
+            f"be read safely, or would land elsewhere:\n  {listed}{more}\nRemove or rename them, or "
+            f"copy what they point to into the tree."
         )
-    return _Upload(fs, files, remote_dirs, shown, scrub)
+    return _Upload(fs, source, files, remote_root, remote_dirs, True, shown, scrub)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return (info.st_dev, info.st_ino)
+
+
+def _misplaced_names(fs: Any, files: list[_UploadFile]) -> list[str]:
+    # Object stores parse some names: s3fs reads "?versionId=" as a version (and adlfs alike), so
+    # "a?versionId=1" would be written to the key "a". Such names are refused, not misplaced.
+    split = getattr(fs, "split_path", None)
+    if split is None:
+        return []
+    problems = []
+    for item in files:
+        try:
+            parts = split(item.remote)
+        except Exception:  # the filesystem's own error comes when the file is written
+            continue
+        stored = "/".join(part for part in parts[:2] if part)
+        if stored != item.remote.strip("/"):
+            problems.append(f"{item.rel}: {_protocols(fs)[0]}:// would store it as {stored!r}")
+    return problems
 
 
 def _symlink_target(entry: Path) -> Path | None:
@@ -858,10 +1185,19 @@ def upload(
     uploads.
 
     Before anything is written, the whole tree is checked: entries that resolve outside ``source``
-    (a symlink to ``/etc``, a relative link through ``..``), directory symlinks, special files and a
-    ``..`` in ``dest_url`` are refused, all of them named in one error. Each remote object appears
-    whole or not at all. A directory becomes ``dest_url`` itself; a file goes to ``dest_url``, or
-    into it when ``dest_url`` ends with ``/``.
+    (a symlink to ``/etc``, a relative link through ``..``), directory symlinks, special files,
+    names an object store would store under another key, and a ``..`` in ``dest_url`` are refused,
+    all of them named in one error. Each file is then opened without following links and must be
+    the very file the check saw (a swapped-in symlink stops the upload). Each remote object appears
+    whole or not at all; local destinations get the permission bits of the process umask. A
+    directory becomes ``dest_url`` itself; a file goes to ``dest_url``, or into it when
+    ``dest_url`` ends with ``/``.
+
+    A directory upload writes ``_DISTKIT_INCOMPLETE`` at the top of the destination first and the
+    manifest ``_DISTKIT_MANIFEST.json`` (each file's size and SHA-256) last, then removes the
+    first: the manifest exists exactly when the tree is complete, and :func:`download` refuses a
+    tree marked partial (see ``docs/coordination.md``). Files of those names at the top of
+    ``source`` are not uploaded.
 
     Args:
         source: Local file or directory (a ``file://`` URL is accepted).
@@ -876,7 +1212,8 @@ def upload(
 
     Raises:
         DistkitError: The tree holds entries that are refused (raised at the call, even with
-            ``background=True``), or the upload failed after retries.
+            ``background=True``), a file changed after the check, or the upload failed after
+            retries.
         FileNotFoundError: ``source`` does not exist.
         ValueError: ``dest_url`` has a ``..`` component, or ``source`` is a remote URL.
 
@@ -891,18 +1228,18 @@ def upload(
         raise TypeError(f"dest_url must be a URL or a path, got {type(dest_url).__name__}.")
     dest_text = os.fspath(dest_url)
     options = dict(storage_options or {})
-    scrub = _Scrubber(options, dest_text)
+    scrub = Scrubber(options, dest_text)
     handle = UploadHandle(local_source, scrub.url(dest_text))
     if not runtime.is_main_process():
         return handle._finish()
-    plan = _scrubbed_call(scrub, _plan_upload, local_source, dest_text, options, scrub)
+    plan = scrub.call(_plan_upload, local_source, dest_text, options, scrub)
     if not background:
-        _scrubbed_call(scrub, plan.run)
+        scrub.call(plan.run)
         return handle._finish()
 
     def work() -> None:
         try:
-            _scrubbed_call(scrub, plan.run)
+            scrub.call(plan.run)
         except BaseException as err:
             _log().error("background upload of %s to %s failed: %s", local_source, plan.shown, err)
             handle._finish(err)
