@@ -1,17 +1,25 @@
 """Checkpoints on real files, fsspec's memory filesystem and 2-rank gloo groups: atomic commits,
-safe loads, retention, async saves, exact resume, and writers killed mid-save."""
+safe loads, retention, async saves, exact resume, writers killed mid-save, malformed manifests,
+FIFOs and symlinks, real write errors (a full tmpfs, a file-size limit), and one run and one
+writer per directory (a kernel lock, a killed holder, an object-store lease)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pathlib
 import random
+import re
 import select
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -29,6 +37,8 @@ import distkit
 from distkit.checkpoint import CheckpointCorruptError, ResumeState
 
 WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_writer.py"
+FAILING_WRITE = pathlib.Path(__file__).parent / "checkpoint_scripts" / "failing_write.py"
+LOCK_HOLDER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "lock_holder.py"
 
 
 @pytest.fixture
@@ -233,7 +243,7 @@ def test_checkpoint_with_malicious_reduce_payload_is_refused_and_the_payload_nev
     # What an attacker ships: a valid manifest (checksums prove integrity, not trust) and a pickle.
     torch.save({"model": Payload(marker)}, ckpt / "state.pt")
     data = (ckpt / "state.pt").read_bytes()
-    manifest = {"format": "distkit-checkpoint", "step": 1, "files": {}}
+    manifest = {"format": "distkit-checkpoint", "format_version": 1, "step": 1, "files": {}}
     manifest["files"]["state.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
@@ -327,7 +337,8 @@ def test_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_comm
         manager.save(step, {"w": torch.ones(1)}, metrics={"loss": loss})
     fs = fsspec.filesystem("memory")
     names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(memory_root, detail=False))
-    assert names == ["step_000000002", "step_000000004", "step_000000005"]
+    # .distkit-writer.json: the writer lease of this (still open) manager.
+    assert names == [".distkit-writer.json", "step_000000002", "step_000000004", "step_000000005"]
     assert manager.best() == f"{memory_root}/step_000000002"
     assert manager.latest() == f"{memory_root}/step_000000005"
 
@@ -350,6 +361,322 @@ def test_retention_never_deletes_the_checkpoint_it_just_saved(tmp_path) -> None:
     manager.save(100, {"w": torch.ones(1)})
     manager.save(5, {"w": torch.zeros(1)})  # a restarted run in the same directory: ranked last by step
     assert committed_steps(tmp_path) == ["step_000000005", "step_000000100"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Manifests that cannot be read: corrupt (never a raw KeyError), skipped by latest(), kept by retention
+
+# Values of the wrong type (or range) for every field of a manifest, and for its shape as a whole.
+_VALID_FILE = {"size": 10, "crc32": "0000000a"}
+WRONG_FIELD_VALUES: dict[str, list[object]] = {
+    "format": [None, 1, "other-format", []],
+    "format_version": [None, "1", 1.0, True, 0, [1]],
+    "step": ["3", 3.5, -1, True, [3], {}],
+    "files": [
+        None,
+        [],
+        "state.pt",
+        {},
+        {"state.pt": None},
+        {"state.pt": 5},
+        {"state.pt": {"size": "10", "crc32": "0000000a"}},
+        {"state.pt": {"size": 10}},
+        {"state.pt": {"size": 10, "crc32": 10}},
+        {"state.pt": {"size": -1, "crc32": "0000000a"}},
+        {"state.pt": {"size": 10, "crc32": "XYZ"}},
+        {"state.pt": _VALID_FILE, "../../etc/passwd": _VALID_FILE},
+        {"state.pt": _VALID_FILE, "/etc/passwd": _VALID_FILE},
+        {"other.pt": _VALID_FILE},
+    ],
+    "metrics": [None, [], "x", {"loss": "0.5"}, {"loss": None}, {"loss": [1]}, {"loss": True}],
+    "keys": [None, "w", [1], {}],
+    "world_size": [None, "1", 0, 1.5, True],
+    "torch_version": [None, 2, []],
+    "distkit_version": [None, 2, []],
+    "created_unix": [None, "now", [], True],
+}
+REQUIRED_FIELDS = ("format", "format_version", "step", "files")
+NOT_A_MANIFEST = [b"", b"{", b"\xff\xfe\x00garbage", b"[" * 100_000, b"[]", b'"x"', b"1", b"null", b"true"]
+
+
+def manifest_variants(good: dict[str, object]) -> Iterator[tuple[str, bytes, bool]]:
+    """(what, manifest bytes, whether distkit must refuse it) for every malformation."""
+    for raw in NOT_A_MANIFEST:
+        yield f"document {raw[:10]!r}", raw, True
+    for field in good:
+        without = {k: v for k, v in good.items() if k != field}
+        yield f"no {field}", json.dumps(without).encode(), field in REQUIRED_FIELDS
+        for value in WRONG_FIELD_VALUES[field]:
+            yield f"{field}={value!r}", json.dumps({**good, field: value}).encode(), True
+
+
+def test_every_malformed_manifest_is_a_corrupt_checkpoint_never_a_raw_error(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "good", {"w": torch.ones(2)}, step=2, metrics={"loss": 0.5})
+    good = json.loads((tmp_path / "good" / "manifest.json").read_text())
+    assert set(good) == set(WRONG_FIELD_VALUES)  # a new field must be fuzzed too
+    checked = 0
+    for what, raw, refused in manifest_variants(good):
+        ckpt = tmp_path / f"case{checked}"
+        shutil.copytree(tmp_path / "good", ckpt)
+        (ckpt / "manifest.json").write_bytes(raw)
+        try:
+            distkit.load_checkpoint(ckpt)
+        except CheckpointCorruptError as err:
+            assert refused, f"{what}: refused although valid: {err}"
+            assert "manifest.json" in err.reason, what
+        except Exception as err:
+            pytest.fail(f"{what}: {type(err).__name__} instead of CheckpointCorruptError: {err}")
+        else:
+            assert not refused, f"{what}: loaded although malformed"
+        checked += 1
+    assert checked > 70
+
+
+def test_latest_best_and_retention_treat_every_malformed_manifest_as_unreadable(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "template", {"w": torch.ones(2)}, step=2, metrics={"loss": 0.1})
+    good = json.loads((tmp_path / "template" / "manifest.json").read_text())
+    for number, (what, raw, refused) in enumerate(manifest_variants(good)):
+        if not refused:
+            continue
+        directory = tmp_path / f"run{number}"
+        shutil.copytree(tmp_path / "template", directory / "step_000000001")
+        shutil.copytree(tmp_path / "template", directory / "step_000000002")
+        (directory / "step_000000002" / "manifest.json").write_bytes(raw)
+        manager = distkit.CheckpointManager(directory, keep_last=1, monitor="loss")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert manager.latest() == str(directory / "step_000000001"), what
+            assert manager.best() == str(directory / "step_000000001"), what
+            manager.save(3, {"w": torch.zeros(1)}, metrics={"loss": 0.2})  # must not raise
+        assert (directory / "step_000000002" / "manifest.json").read_bytes() == raw, what
+        manager.close()
+
+
+def test_one_flipped_byte_in_the_newest_manifest_never_gets_its_checkpoint_deleted(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((100,), float(step))})
+    manifest = tmp_path / "step_000000002" / "manifest.json"
+    data = bytearray(manifest.read_bytes())
+    data[0] ^= 0xFF  # '{' no longer opens the JSON object
+    manifest.write_bytes(bytes(data))
+
+    with pytest.warns(UserWarning, match=r"skipping corrupt checkpoint .*step_000000002: its manifest\.json"):
+        assert manager.latest() == str(tmp_path / "step_000000001")
+    with pytest.warns(UserWarning, match=r"retention keeps .*step_000000002: it cannot be read") as seen:
+        manager.save(3, {"w": torch.full((100,), 3.0)})
+    assert sum("step_000000002" in str(w.message) for w in seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not at every save
+        manager.save(4, {"w": torch.full((100,), 4.0)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000000002",
+        "step_000000003",
+        "step_000000004",
+    ]
+    saved = torch.load(tmp_path / "step_000000002" / "state.pt", weights_only=True)
+    assert torch.equal(saved["w"], torch.full((100,), 2.0))  # the data the flipped byte did not touch
+
+
+def test_a_newer_format_version_names_both_versions_and_upgrade_and_is_kept(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(1, {"w": torch.ones(1)})
+    manager.save(2, {"w": torch.ones(1)})
+    manifest = tmp_path / "step_000000002" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 2}))
+    pattern = r"format_version 2 .*reads format_version 1 only.*Upgrade distkit"
+    with pytest.raises(distkit.DistkitError, match=pattern):
+        distkit.load_checkpoint(tmp_path / "step_000000002")
+    # Not a fallback to the older step: resuming that would drop the newer run's progress.
+    with pytest.raises(distkit.DistkitError, match=pattern):
+        manager.latest()
+    with pytest.raises(distkit.DistkitError, match=pattern):
+        manager.restore({"w": torch.zeros(1)})
+    with pytest.warns(UserWarning, match=r"retention keeps .*step_000000002: .*format_version 2"):
+        manager.save(3, {"w": torch.ones(1)})
+    assert json.loads(manifest.read_text())["format_version"] == 2
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_never_raises_once_committed_whatever_retention_finds(tmp_path, async_save) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=1, async_save=async_save)
+    manager.save(1, {"w": torch.ones(1)})
+    manager.wait()
+    # What made retention raise a raw TypeError after the commit: a manifest with a wrong shape.
+    garbage = tmp_path / "step_000000002"
+    garbage.mkdir()
+    (garbage / "state.pt").write_bytes(b"not a checkpoint")
+    (garbage / "manifest.json").write_text(
+        json.dumps({"format": "distkit-checkpoint", "files": {"state.pt": 5}})
+    )
+    with pytest.warns(UserWarning, match=r"retention keeps .*step_000000002"):
+        manager.save(3, {"w": torch.full((1,), 3.0)})
+        manager.wait()
+    assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
+    assert distkit.load_checkpoint(tmp_path / "step_000000003")["w"].item() == 3.0
+
+
+def test_retention_deletes_only_what_is_provably_its_own(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(1, {"w": torch.ones(1)})
+    manager.save(2, {"w": torch.ones(1)})  # a committed surplus holding a file of the user:
+    (tmp_path / "step_000000002" / "notes.txt").write_text("keep me")
+    (tmp_path / "step_000000004").mkdir()  # no manifest and foreign files: not a killed save of ours
+    (tmp_path / "step_000000004" / "eval.csv").write_text("keep me too")
+    (tmp_path / "step_000000005").mkdir()  # no manifest, only our file name: a killed object-store save
+    (tmp_path / "step_000000005" / "state.pt").write_bytes(b"partial")
+    (tmp_path / ".step_000000006.distkit-tmp-abcd").mkdir()  # staging leftover of a killed save
+    with pytest.warns(UserWarning, match="retention keeps"):
+        manager.save(7, {"w": torch.ones(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000000002",
+        "step_000000004",
+        "step_000000007",
+    ]
+    assert (tmp_path / "step_000000002" / "notes.txt").read_text() == "keep me"
+
+
+# --------------------------------------------------------------------------------------------------
+# FIFOs, devices and symlinks inside a checkpoint are refused without being opened
+
+
+def finishes_within(seconds: float, fn, *fifos: pathlib.Path):  # type: ignore[no-untyped-def]
+    """``fn()``'s result, failing the test if it blocks longer than ``seconds``."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:  # a writer wakes the reader blocked in open(), so the thread ends
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail(f"blocked for more than {seconds} s: it opened a FIFO")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value")
+
+
+def plant(ckpt: pathlib.Path, kind: str) -> tuple[str, pathlib.Path]:
+    """Replace one file of the checkpoint ``ckpt`` with a special file; (what is expected, its path)."""
+    if kind == "fifo-manifest":
+        (ckpt / "manifest.json").unlink()
+        os.mkfifo(ckpt / "manifest.json")
+        return "a FIFO", ckpt / "manifest.json"
+    state = ckpt / "state.pt"
+    if kind == "symlink-state":
+        real = ckpt.parent / f"{ckpt.name}-elsewhere.pt"
+        state.rename(real)  # same bytes: size and checksum match the manifest
+        state.symlink_to(real)
+        return "a symbolic link", state
+    # A special file at state.pt whose size (0) matches the manifest, so only opening it tells.
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"size": 0, "crc32": f"{zlib.crc32(b''):08x}"}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    state.unlink()
+    if kind == "fifo-state":
+        os.mkfifo(state)
+        return "a FIFO", state
+    try:
+        os.mknod(state, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is
+    except PermissionError:
+        pytest.skip("creating a device file needs CAP_MKNOD (root)")
+    return "a character device", state
+
+
+@pytest.mark.parametrize("kind", ["fifo-manifest", "fifo-state", "symlink-state", "device-state"])
+def test_a_fifo_device_or_symlink_in_a_checkpoint_is_refused_without_blocking(tmp_path, kind) -> None:
+    with distkit.CheckpointManager(tmp_path, keep_last=None) as writer:
+        writer.save(1, {"w": torch.ones(1)})
+        writer.save(2, {"w": torch.ones(1)})
+    described, special = plant(tmp_path / "step_000000002", kind)
+    pattern = rf"{re.escape(str(special))} is {described}[^,]*, not a regular file"
+
+    with pytest.raises(CheckpointCorruptError, match=pattern):
+        finishes_within(20, lambda: distkit.load_checkpoint(tmp_path / "step_000000002"), special)
+    manager = distkit.CheckpointManager(tmp_path, keep_last=1)
+    with pytest.warns(UserWarning, match=pattern):
+        assert finishes_within(20, manager.latest, special) == str(tmp_path / "step_000000001")
+    with pytest.warns(UserWarning, match=pattern):
+        assert finishes_within(20, lambda: manager.restore({"w": torch.zeros(1)}), special) == 1
+    with pytest.warns(UserWarning, match=rf"retention keeps .*step_000000002: .*{described}"):
+        finishes_within(20, lambda: manager.save(3, {"w": torch.ones(1)}), special)
+    assert os.path.lexists(special)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors that name the real cause
+
+
+def run_failing_write(command: list[str]) -> dict[str, object]:
+    done = subprocess.run(command, capture_output=True, timeout=180, env=writer_env())
+    output = done.stdout.decode()
+    report = next(
+        (line[len("REPORT ") :] for line in output.splitlines() if line.startswith("REPORT ")), None
+    )
+    assert done.returncode == 0 and report is not None, f"{output}\n{done.stderr.decode()}"
+    return json.loads(report)
+
+
+def test_a_full_disk_names_enospc_and_the_path_and_the_previous_checkpoint_stays_intact(tmp_path) -> None:
+    # A real full filesystem: a 2 MiB tmpfs, mounted in a private mount namespace of the child.
+    mount_point = tmp_path / "small_fs"
+    mount_point.mkdir()
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs util-linux's unshare to mount a small tmpfs")
+    probe = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "tmpfs", str(mount_point)],
+        capture_output=True,
+        timeout=60,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
+    script = 'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$1" "$2" "$0/ckpts" disk-full'
+    command = [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", script, str(mount_point)]
+    report = run_failing_write([*command, sys.executable, str(FAILING_WRITE)])
+    sync, background = report["sync"], report["async"]
+    assert sync["type"] == "OSError" and sync["errno"] == errno.ENOSPC
+    assert "ENOSPC (No space left on device) while writing checkpoint " in sync["message"]
+    assert f"{mount_point}/ckpts/.step_000000002.distkit-tmp-" in sync["message"]
+    assert "nothing was committed" in sync["message"] and "free space" in sync["message"]
+    assert background["type"] == "DistkitError" and "background save of step 3" in background["message"]
+    assert "ENOSPC" in background["message"] and "ENOSPC" in background["cause"]
+    assert report["listing"] == ["step_000000001"] and report["step1_intact"]
+
+
+def test_any_write_error_names_its_errno_the_path_and_a_fix(tmp_path) -> None:
+    # RLIMIT_FSIZE: a real EFBIG from write(2), on any POSIX machine without privileges.
+    report = run_failing_write(
+        [sys.executable, str(FAILING_WRITE), str(tmp_path / "ckpts"), "file-size-limit"]
+    )
+    sync = report["sync"]
+    assert sync["type"] == "OSError" and sync["errno"] == errno.EFBIG
+    assert "EFBIG (File too large) while writing checkpoint " in sync["message"]
+    assert f"{tmp_path}/ckpts/.step_000000002.distkit-tmp-" in sync["message"]
+    assert "ulimit -f" in sync["message"]
+    assert report["listing"] == ["step_000000001"] and report["step1_intact"]
+
+
+def test_loading_a_path_that_does_not_exist_says_not_found(tmp_path, memory_root) -> None:
+    for missing in (tmp_path / "nowhere", f"{memory_root}/nowhere"):
+        with pytest.raises(
+            FileNotFoundError, match=rf"checkpoint not found: {re.escape(str(missing))} does not"
+        ):
+            distkit.load_checkpoint(missing)
+    (tmp_path / "model.pt").write_bytes(b"a file")
+    with pytest.raises(NotADirectoryError, match=r"model\.pt is a file, not a checkpoint directory"):
+        distkit.load_checkpoint(tmp_path / "model.pt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointCorruptError, match=r"no manifest\.json"):
+        distkit.load_checkpoint(tmp_path / "empty")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -484,6 +811,197 @@ def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_check
 
     manager.save(5, {"w": torch.zeros(1), "step": 5})  # retention also clears the leftovers
     assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
+
+
+# --------------------------------------------------------------------------------------------------
+# One run, one writer per directory
+
+
+def test_a_fresh_run_is_refused_where_another_run_committed_checkpoints_and_nothing_is_deleted(
+    tmp_path,
+) -> None:
+    with distkit.CheckpointManager(tmp_path, keep_last=2) as old_run:
+        for step in (100, 200):
+            old_run.save(step, {"w": torch.full((1,), float(step))})
+    new_run = distkit.CheckpointManager(tmp_path, keep_last=2)
+    with pytest.raises(distkit.CheckpointConflictError) as refused:
+        new_run.save(1, {"w": torch.zeros(1)})
+    message = str(refused.value)
+    assert message.startswith(f"[rank 0/1] the checkpoint directory {tmp_path} already holds committed")
+    assert "steps [100, 200]" in message
+    for way_out in ("restore(state)", "Trainer(resume='auto')", "another directory", "overwrite=True"):
+        assert way_out in message
+    assert refused.value.steps == [100, 200] and refused.value.directory == str(tmp_path)
+    assert isinstance(refused.value, distkit.DistkitError)
+    assert committed_steps(tmp_path) == ["step_000000100", "step_000000200"]
+    assert not (tmp_path / "step_000000001").exists()
+    with pytest.raises(distkit.CheckpointConflictError):
+        new_run.claim()  # still refused: nothing changed
+    new_run.close()
+
+
+@pytest.mark.parametrize("how", ["restore", "claim_resuming", "latest_then_load"])
+def test_only_a_run_that_resumes_from_the_directory_keeps_saving_there(tmp_path, how) -> None:
+    with distkit.CheckpointManager(tmp_path, keep_last=2) as first:
+        first.save(1, {"w": torch.ones(1)})
+        first.save(2, {"w": torch.full((1,), 2.0)})
+    with (
+        distkit.CheckpointManager(tmp_path, keep_last=2) as fresh,
+        pytest.raises(distkit.CheckpointConflictError),
+    ):
+        fresh.save(1, {"w": torch.zeros(1)})
+    # The requeued job: a new manager, the same directory, and one of the three ways to resume.
+    manager = distkit.CheckpointManager(tmp_path, keep_last=2)
+    state = {"w": torch.zeros(1)}
+    if how == "restore":
+        assert manager.restore(state) == 2
+    elif how == "claim_resuming":
+        distkit.load_checkpoint(tmp_path / "step_000000002", state)
+        manager.claim(resuming=True)
+    else:
+        distkit.load_checkpoint(manager.latest(), state)
+    manager.save(3, state)
+    assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
+    manager.close()
+
+
+def test_latest_that_finds_nothing_does_not_count_as_resuming(tmp_path) -> None:
+    with distkit.CheckpointManager(tmp_path) as first:
+        first.save(5, {"w": torch.ones(1)})
+    damage_one_byte(tmp_path / "step_000000005" / "state.pt")
+    manager = distkit.CheckpointManager(tmp_path)
+    with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
+        assert manager.latest() is None
+    with pytest.raises(distkit.CheckpointConflictError, match=r"steps \[5\]"):
+        manager.save(1, {"w": torch.ones(1)})
+
+
+def test_overwrite_deletes_the_old_runs_checkpoints_at_the_first_save(tmp_path) -> None:
+    with distkit.CheckpointManager(tmp_path, keep_last=None) as old_run:
+        for step in (10, 20, 30):
+            old_run.save(step, {"w": torch.ones(1)})
+    (tmp_path / ".step_000000040.distkit-tmp-abcd").mkdir()  # a killed save of the old run
+    manager = distkit.CheckpointManager(tmp_path, keep_last=2, overwrite=True)
+    with pytest.warns(UserWarning, match=r"overwrite=True: deleted the checkpoints of steps \[10, 20, 30\]"):
+        manager.save(1, {"w": torch.zeros(1)})
+    manager.save(2, {"w": torch.zeros(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000001", "step_000000002"]
+    assert manager.latest() == str(tmp_path / "step_000000002")
+    manager.close()
+    # A manager that resumes deletes nothing, whatever overwrite says (a requeued job keeps its work).
+    again = distkit.CheckpointManager(tmp_path, keep_last=2, overwrite=True)
+    assert again.restore({"w": torch.zeros(1)}) == 2
+    again.save(3, {"w": torch.zeros(1)})
+    assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
+    again.close()
+    with pytest.raises(TypeError, match="overwrite must be True or False"):
+        distkit.CheckpointManager(tmp_path, overwrite="yes")  # type: ignore[arg-type]
+
+
+def test_two_managers_in_one_process_conflict_until_the_first_lets_go(tmp_path) -> None:
+    first = distkit.CheckpointManager(tmp_path)
+    first.save(1, {"w": torch.ones(1)})
+    second = distkit.CheckpointManager(tmp_path)
+    host = socket.gethostname()
+    with pytest.raises(distkit.CheckpointConflictError) as refused:
+        second.claim(resuming=True)
+    assert (
+        f"another writer holds the checkpoint directory {tmp_path}: pid {os.getpid()} on host {host}"
+        in str(refused.value)
+    )
+    assert "writing since 20" in str(refused.value) and f"{tmp_path}.distkit-lock" in str(refused.value)
+    assert refused.value.holder is not None and refused.value.holder["pid"] == os.getpid()
+    first.close()
+    second.claim(resuming=True)  # released by close()
+    second.save(2, {"w": torch.ones(1)})
+    second.close()
+
+    with distkit.CheckpointManager(tmp_path) as third:
+        third.claim(resuming=True)
+    fourth = distkit.CheckpointManager(tmp_path)  # released when the with block ended
+    fourth.claim(resuming=True)
+    del fourth  # garbage collected: released
+    fifth = distkit.CheckpointManager(tmp_path)
+    fifth.claim(resuming=True)
+    fifth.cycle = fifth  # type: ignore[attr-defined]  # only the cycle collector can free it
+    del fifth
+    sixth = distkit.CheckpointManager(tmp_path)
+    sixth.claim(resuming=True)  # an unreachable manager's lock does not count
+    sixth.close()
+
+
+def test_a_forked_child_dropping_its_copy_of_the_manager_leaves_the_parents_lock_held(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path)
+    manager.claim()
+    pid = os.fork()  # what a DataLoader worker is: a copy of the manager, sharing the lock's file
+    if pid == 0:
+        try:
+            manager.close()  # also what garbage collection of the copy does
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    with pytest.raises(distkit.CheckpointConflictError, match=rf"pid {os.getpid()} "):
+        distkit.CheckpointManager(tmp_path).claim()
+    manager.close()
+
+
+def test_a_second_job_is_refused_naming_the_first_and_a_killed_holders_lock_is_taken_over(tmp_path) -> None:
+    directory = tmp_path / "ckpts"
+    env = {**writer_env(), "SLURM_JOB_ID": "4242", "TORCHELASTIC_RUN_ID": "run-7"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(LOCK_HOLDER),
+            str(directory),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline().decode() if ready else ""
+        assert line.startswith("HELD "), f"the holder did not claim within 120 s: {line!r}"
+        manager = distkit.CheckpointManager(directory)
+        with pytest.raises(distkit.CheckpointConflictError) as refused:
+            manager.save(1, {"w": torch.ones(1)})
+        message = str(refused.value)
+        assert f"pid {proc.pid} on host {socket.gethostname()}, writing since " in message
+        assert "(SLURM job 4242, torchelastic run run-7)" in message
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        manager.save(1, {"w": torch.ones(1)})  # the kernel released the dead holder's lock
+        assert committed_steps(directory) == ["step_000000001"]
+        manager.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_on_an_object_store_the_newest_writer_wins_and_the_other_stops_before_committing(memory_root) -> None:
+    fs = fsspec.filesystem("memory")
+    first = distkit.CheckpointManager(memory_root, keep_last=1)
+    first.save(1, {"w": torch.ones(1)})
+    lease = fs.cat_file(f"{memory_root}/.distkit-writer.json")
+    with pytest.raises(distkit.CheckpointConflictError, match=r"already holds committed checkpoints"):
+        distkit.CheckpointManager(memory_root).save(1, {"w": torch.zeros(1)})  # a fresh run: refused
+    assert fs.cat_file(f"{memory_root}/.distkit-writer.json") == lease  # and it left the lease alone
+    second = distkit.CheckpointManager(memory_root, keep_last=1)  # a requeued job: never refused
+    with pytest.warns(UserWarning, match=rf"writer lease of pid {os.getpid()} .*taking it over"):
+        assert second.restore({"w": torch.zeros(1)}) == 1
+    second.save(2, {"w": torch.full((1,), 2.0)})
+    with pytest.raises(
+        distkit.CheckpointConflictError, match=rf"another writer took over .*pid {os.getpid()}"
+    ):
+        first.save(3, {"w": torch.full((1,), 3.0)})
+    assert not fs.exists(f"{memory_root}/step_000000003")  # nothing committed by the old writer
+    assert fs.exists(f"{memory_root}/step_000000002/manifest.json")  # nor deleted by its retention
+    second.close()
+    assert not fs.exists(f"{memory_root}/.distkit-writer.json")  # released
 
 
 # --------------------------------------------------------------------------------------------------
@@ -674,3 +1192,27 @@ def test_waiting_ranks_time_out_naming_rank_0_and_non_collective_saves_are_per_r
     assert late1.startswith("[0] [rank 1/2] waited 1 s for rank 0 to commit checkpoint ")
     assert (own0, own1) == (0, 1)
     assert "collective=True" in refused0
+
+
+def two_runs_in_one_directory(directory: str) -> tuple[tuple[str, str, list[int]], int | None, list[str]]:
+    with distkit.CheckpointManager(directory, timeout_s=60) as old_run:
+        old_run.save(5, {"w": torch.ones(1)})
+    fresh = distkit.CheckpointManager(directory, timeout_s=60)
+    try:
+        fresh.save(1, {"w": torch.zeros(1)})
+        refusal = ("no error", "", [])
+    except distkit.CheckpointConflictError as err:
+        refusal = (type(err).__name__, str(err), err.steps)
+    fresh.close()
+    with distkit.CheckpointManager(directory, timeout_s=60) as requeued:
+        step = requeued.restore({"w": torch.zeros(1)})
+        requeued.save(6, {"w": torch.ones(1)})
+    return refusal, step, sorted(os.listdir(directory))
+
+
+def test_a_refused_claim_raises_the_same_error_on_every_rank(tmp_path, ranks) -> None:
+    results = ranks.run(two_runs_in_one_directory, str(tmp_path / "ckpts"), world_size=2, timeout_s=90)
+    for rank, ((kind, message, steps), step, listing) in enumerate(results):
+        assert kind == "CheckpointConflictError" and steps == [5]
+        assert message.startswith(f"[rank {rank}/2] the checkpoint directory ")
+        assert step == 5 and listing == ["step_000000005", "step_000000006"]

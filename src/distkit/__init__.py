@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         profile_scaling as profile_scaling,
     )
     from distkit.checkpoint import (
+        CheckpointConflictError as CheckpointConflictError,
         CheckpointCorruptError as CheckpointCorruptError,
         CheckpointManager as CheckpointManager,
         ResumeState as ResumeState,
@@ -165,6 +166,7 @@ _LAZY: dict[str, str] = {
     "load_checkpoint": "distkit.checkpoint",
     "CheckpointManager": "distkit.checkpoint",
     "CheckpointCorruptError": "distkit.checkpoint",
+    "CheckpointConflictError": "distkit.checkpoint",
     "ResumeState": "distkit.checkpoint",
     # seeding and data
     "capture_rng_state": "distkit.seeding",

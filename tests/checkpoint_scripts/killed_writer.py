@@ -59,6 +59,8 @@ def main() -> None:
     elif point != "exit":
         raise SystemExit(f"unknown pause point {point!r}; use 'write', 'delete' or 'exit'")
     manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=point == "exit")
+    # A restarted writer continues its own run (a killed writer's lock died with it).
+    manager.claim(resuming=True)
     for step in range(first, last + 1):
         armed = step == last
         manager.save(step, {"w": torch.full((512, 512), float(step)), "step": step})
