@@ -7,6 +7,10 @@ exits with code 1 if the validation accuracy ends below --min-accuracy.
 Run:  torchrun --standalone --nproc_per_node=2 examples/train_digits.py
       python examples/train_digits.py           (the Trainer starts its 2 processes itself)
       python examples/train_digits.py --resume  (continue from the latest checkpoint)
+
+Without --resume a run starts over: it deletes the checkpoints a previous run left in --out
+(ModelCheckpoint(overwrite=True)). Without that option distkit would refuse to start a new run in
+a directory holding another run's checkpoints.
 """
 
 from __future__ import annotations
@@ -115,7 +119,9 @@ def main() -> None:
         default_root_dir=args.out,
         resume="auto" if args.resume else None,
         callbacks=[
-            ModelCheckpoint(monitor="val_acc", mode="max", keep_last=2, keep_best=1),
+            ModelCheckpoint(
+                monitor="val_acc", mode="max", keep_last=2, keep_best=1, overwrite=not args.resume
+            ),
             LearningRateMonitor(),
         ],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,6 +172,28 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(isolated_rng, t
     distkit.seed_everything(6)
     distkit.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert _draws() == expected
+
+
+def test_process_seeding_carries_generators_loader_seed_and_determinism_to_a_fresh_process(
+    isolated_rng,
+) -> None:
+    # What fit() sends to the processes it spawns: they must start where a torchrun rank that ran
+    # the same script would, not from fresh generators and loader seed 0.
+    distkit.seed_everything(11, deterministic=True)
+    _draws()  # the script draws (model init...) before fit
+    state = pickle.loads(pickle.dumps(seeding._capture_process_seeding()))
+    expected = _draws()
+    # A fresh interpreter: random generators, no default loader seed, default settings.
+    random.seed()
+    np.random.seed()
+    torch.seed()
+    seeding._loader_seed = None
+    torch.use_deterministic_algorithms(False)
+    seeding._restore_process_seeding(state)
+    assert _draws() == expected
+    assert seeding._default_loader_seed() == 11
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
 
 
 class GaussianNoise(torch.utils.data.Dataset):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import io
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -542,6 +544,156 @@ def test_a_stop_request_gives_back_the_discarded_steps_batches_and_random_draws(
         assert torch.equal(got, want)
 
 
+class ExtraMetricsModel(DropoutModel):
+    """Logs two extra metrics that differ between ranks: a tensor (accuracy) and a float."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, object]:
+        data, target = batch
+        output = self(data)
+        return {
+            "loss": nn.functional.cross_entropy(output, target),
+            "acc": (output.argmax(1) == target).float().mean(),
+            "rank_batch": float(distkit.get_rank() * 100 + batch_idx),
+        }
+
+
+class Interrupt(Callback):
+    """After step `step`: "crash" raises on every rank; "preempt" has rank 1 send itself SIGTERM."""
+
+    def __init__(self, step: int, how: str) -> None:
+        self.step, self.how = step, how
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if trainer.global_step != self.step:
+            return
+        if self.how == "crash":
+            raise RuntimeError(f"crash after step {self.step}")
+        if distkit.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def logged_run(
+    directory: str, max_steps: int, resume: str | None, interrupt: tuple[int, str] | None = None
+) -> str:
+    """2 ranks, 5 steps per epoch, a log every 2 steps and a checkpoint every 3, CSV and TensorBoard."""
+    torch.manual_seed(0)
+    model = ExtraMetricsModel()
+    callbacks: list[Callback] = [ModelCheckpoint(every_n_steps=3, every_n_epochs=0, keep_last=10)]
+    if interrupt is not None:
+        callbacks.insert(0, Interrupt(*interrupt))
+    trainer = Trainer(
+        strategy="ddp",
+        max_steps=max_steps,
+        log_every_n_steps=2,
+        seed=3,
+        resume=resume,
+        default_root_dir=directory,
+        logger=[CSVLogger(), TensorBoardLogger()],
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
+    try:
+        trainer.fit(
+            model,
+            RandomDataset(20, 320),
+            optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5),
+        )
+    except RuntimeError as err:
+        return str(err)
+    except SystemExit as exit:
+        return f"exit {exit.code}"
+    return f"finished at step {trainer.global_step}"
+
+
+def tensorboard_scalars(directory: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_logs_of_a_run_interrupted_mid_epoch_and_resumed_equal_the_uninterrupted_runs(
+    ranks, tmp_path
+) -> None:
+    # Epochs are steps 1-5, 6-10, 11-12; logs at every even step and at epoch ends. The first
+    # attempt crashes after step 7 and resumes from the checkpoint of step 6, a logging step (its
+    # TensorBoard point must survive the resume). The second is preempted after step 7 (rank 1 gets
+    # SIGTERM; step 8 is discarded on every rank, its extra metrics given back) and saves step 7,
+    # between two logging steps: the window then holds step 7 and the epoch sums steps 6-7, on
+    # each rank its own. The third runs to the end.
+    uninterrupted, interrupted = tmp_path / "a", tmp_path / "b"
+    assert ranks.run(logged_run, str(uninterrupted), 12, None) == ["finished at step 12"] * 2
+    assert ranks.run(logged_run, str(interrupted), 12, None, (7, "crash")) == ["crash after step 7"] * 2
+    assert ranks.run(logged_run, str(interrupted), 12, "auto", (7, "preempt")) == ["exit 0"] * 2
+    checkpoints = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
+    assert checkpoints == ["step_000000003", "step_000000006", "step_000000007"]
+    assert ranks.run(logged_run, str(interrupted), 12, "auto") == ["finished at step 12"] * 2
+
+    want_csv = (uninterrupted / "metrics.csv").read_text()
+    assert (interrupted / "metrics.csv").read_text() == want_csv
+    want = tensorboard_scalars(uninterrupted / "tensorboard")
+    assert sorted(want) == ["acc", "epoch", "rank_batch", "skipped_steps", "train_loss", "train_loss_epoch"]
+    assert [step for step, _ in want["train_loss"]] == [2, 4, 6, 8, 10, 12]
+    assert tensorboard_scalars(interrupted / "tensorboard") == want
+
+    # A checkpoint written before the partial sums were saved still resumes (with empty sums).
+    state = distkit.load_checkpoint(interrupted / "checkpoints" / "step_000000007", map_location="cpu")
+    state["counters"] = {"skipped_steps": state["counters"]["skipped_steps"]}
+    old = distkit.save_checkpoint(tmp_path / "old" / "step_000000007", state, step=7)
+    assert ranks.run(logged_run, str(tmp_path / "old"), 9, old) == ["finished at step 9"] * 2
+
+
+def fresh_fit(directory: str, resume: str | None, overwrite: bool) -> tuple[str, int]:
+    """A new run (3 steps, a checkpoint each step) in ``directory``; the refusal's text, or ''."""
+    torch.manual_seed(1)
+    model = DropoutModel()
+    trainer = quiet_trainer(
+        directory,
+        strategy="ddp",
+        max_steps=3,
+        resume=resume,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(every_n_steps=1, keep_last=2, overwrite=overwrite)],
+    )
+    try:
+        trainer.fit(
+            model,
+            RandomDataset(20, 320),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    except distkit.CheckpointConflictError as err:
+        return str(err), trainer.global_step
+    return "", trainer.global_step
+
+
+def test_a_fresh_fit_never_inherits_or_destroys_another_runs_checkpoints(ranks, tmp_path) -> None:
+    # The old run's checkpoints are steps 6 and 3; a new run's (1, 2, 3) would be the "oldest", so
+    # retention used to delete them and a later resume="auto" continued the old run.
+    old = str(tmp_path / "run")
+    ranks.run(resumable_run, old, 6, None)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {p.name: (p / "manifest.json").read_bytes() for p in checkpoints.iterdir()}
+    assert sorted(before) == ["step_000000003", "step_000000006"]
+
+    refusals = ranks.run(fresh_fit, old, None, False)
+    for rank, (message, steps) in enumerate(refusals):
+        assert steps == 0, f"rank {rank} trained {steps} steps before the refusal"
+        assert str(checkpoints) in message and "steps 3..6" in message
+        for way_out in ("resume='auto'", "default_root_dir=", "ModelCheckpoint(overwrite=True)"):
+            assert way_out in message, (way_out, message)
+    assert {p.name: (p / "manifest.json").read_bytes() for p in checkpoints.iterdir()} == before
+
+    # Resuming from a checkpoint of that directory continues its run: no refusal.
+    resumed = ranks.run(fresh_fit, old, str(checkpoints / "step_000000003"), False)
+    assert resumed == [("", 3)] * 2
+    # Starting over is explicit, and leaves only the new run's checkpoints.
+    assert ranks.run(fresh_fit, old, None, True) == [("", 3)] * 2
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000000002", "step_000000003"]
+
+
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path) -> None:
     model = SimpleModel()
     trainer = quiet_trainer(
@@ -642,6 +794,21 @@ def test_unpicklable_objects_are_named_before_any_process_starts(tmp_path) -> No
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             loss_fn=lambda output, target: nn.functional.cross_entropy(output, target),
         )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, devices='auto' is one process per GPU")
+def test_ddp_with_auto_devices_outside_a_launcher_without_cuda_asks_for_a_process_count(tmp_path) -> None:
+    # Not a silent one-process "DDP" run: how many CPU processes to start is the user's choice.
+    model = SimpleModel()
+    trainer = quiet_trainer(str(tmp_path), strategy="ddp", max_steps=1)
+    with pytest.raises(DistkitError, match=r"devices='auto' outside a launcher .* Pass devices=N"):
+        trainer.fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    assert trainer.global_step == 0
 
 
 def ddp_options_reach_ddp(tmp: str) -> tuple[bool, bool, int]:
@@ -836,6 +1003,88 @@ def run_job(
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
     print(result.stdout[-4000:], result.stderr[-6000:], sep="\n")  # shown by pytest on failure
     return result
+
+
+def assert_same(got: object, want: object, where: str = "") -> None:
+    """Equal, tensors bitwise, in nested dicts and lists."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got, key=str) == sorted(want, key=str), where
+        for key in want:
+            assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{where}[{index}]")
+    else:
+        assert got == want, where
+
+
+def test_python_and_torchrun_launches_of_one_script_train_the_same_job_bitwise(tmp_path) -> None:
+    # launch_parity.py seeds with seed_everything() only and draws from torch, python and numpy
+    # before fit and in every forward pass. Under `python` fit starts the workers itself (spawn:
+    # fresh interpreters); under torchrun every rank ran the script. Run twice with python (the
+    # second time with optimizer and scheduler factories) and once with torchrun: the same weights,
+    # optimizer, scheduler, EarlyStopping state, best checkpoint, counters, metrics and metrics.csv,
+    # bitwise; and in the launching process, what rank 0 had at the end of fit. No warning in any
+    # process.
+    env = job_env()
+    env["PYTHONWARNINGS"] = "always"  # every warning of every process reaches stderr
+    script = str(SCRIPTS / "launch_parity.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    runs = {
+        "python": [sys.executable, script, str(tmp_path / "python")],
+        "python-factories": [sys.executable, script, str(tmp_path / "python-factories"), "factories"],
+        "torchrun": [*torchrun, script, str(tmp_path / "torchrun")],
+    }
+    records = {}
+    for name, args in runs.items():
+        (tmp_path / name).mkdir()
+        result = run_job(args, env)
+        assert result.returncode == 0, name
+        warned = [line for line in (result.stdout + result.stderr).splitlines() if "Warning: " in line]
+        assert warned == [], name
+        records[name] = torch.load(tmp_path / name / "after_fit.pt")
+
+    python = records["python"]
+    assert python.pop("passed_objects") is True  # trainer.optimizer is the optimizer passed
+    assert records["python-factories"].pop("passed_objects") is None
+    assert records["torchrun"].pop("passed_objects") is True
+    assert_same(python, torch.load(tmp_path / "python" / "rank0.pt"), "launching process vs rank 0")
+    assert python["early_stopping"]["best"] is not None and python["global_step"] == 18
+    assert python["best_checkpoint"].startswith("step_")
+    logged = (tmp_path / "python" / "metrics.csv").read_text()
+    for name in ("python-factories", "torchrun"):
+        assert_same(records[name], python, name)
+        assert (tmp_path / name / "metrics.csv").read_text() == logged, name
+
+
+UNGUARDED_SCRIPT = """import os
+import torch
+from torch import nn
+from distkit.trainer import Trainer
+
+model = nn.Linear(4, 2)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+trainer = Trainer(strategy="ddp", devices=2, max_steps=2, default_root_dir=os.path.dirname(__file__))
+trainer.fit(model, data, optimizer=torch.optim.SGD(model.parameters(), 0.1), loss_fn=nn.CrossEntropyLoss())
+"""
+
+
+def test_self_launch_from_a_script_without_main_guard_fails_with_one_short_error(tmp_path) -> None:
+    # spawn re-imports the script in every worker; without the guard each would call fit() again.
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    result = run_job([sys.executable, str(script)], job_env(), timeout_s=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert (
+        "DistkitError: unguarded.py, line 9: fit() with 2 processes was called from the top level of "
+        'the script without an `if __name__ == "__main__":` guard.' in output
+    )
+    assert output.count("Traceback") == 1 and len(output.splitlines()) <= 20
+    assert not (tmp_path / "checkpoints").exists()  # refused before any process started
 
 
 def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_exits_zero_and_resumes_exactly(

@@ -229,6 +229,47 @@ def _default_loader_seed() -> int:
     return 0 if _loader_seed is None else _loader_seed
 
 
+def _capture_process_seeding() -> dict[str, Any]:
+    """This process's seeding, for a process started with ``spawn`` to carry on from. Local.
+
+    A spawned process starts with fresh generators (torch seeds its CPU generator at random, python
+    and numpy from the OS), distkit's default loader seed 0 and torch's default determinism
+    settings; a ``torchrun`` rank running the same script instead has whatever the script set up and
+    drew before that point. This is that state: every RNG state (:func:`capture_rng_state`), the
+    default loader seed of :func:`seed_everything`, and the determinism switches it sets. Nothing
+    here depends on the rank: every rank of a torchrun job seeded alike and drew alike. Tensors and
+    plain data, so it pickles.
+    """
+    return {
+        "rng": capture_rng_state(),
+        # CUDA generators are captured only once CUDA is initialised; before that, a seeded script's
+        # torch.manual_seed (seed_everything's) has queued its seed for them: initial_seed().
+        "torch_initial_seed": torch.initial_seed(),
+        "loader_seed": _loader_seed,
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+    }
+
+
+def _restore_process_seeding(state: dict[str, Any]) -> None:
+    """Make this (spawned) process's seeding what :func:`_capture_process_seeding` captured. Local.
+
+    Touches no CUDA device: CUDA generator states and seeds are queued until CUDA initialises.
+    """
+    global _loader_seed
+    restore_rng_state(state["rng"])
+    if "cuda" not in state["rng"] and not torch.cuda._is_in_bad_fork():
+        # As torch.manual_seed does: lazily, so the worker picks its device first.
+        torch.cuda.manual_seed_all(state["torch_initial_seed"])
+    _loader_seed = state["loader_seed"]
+    enabled, warn_only = state["deterministic"]
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = state["cudnn"]
+
+
 def seed_worker(worker_id: int) -> None:
     """``worker_init_fn`` for DataLoaders you make: a distinct stream for every rank, worker and pass.
 

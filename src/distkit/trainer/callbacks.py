@@ -103,6 +103,9 @@ class ModelCheckpoint(Callback):
         every_n_epochs: Save at the end of every n-th epoch; ``0`` turns epoch saves off.
         every_n_steps: Also save every n optimizer steps (mid-epoch, resumable exactly).
         async_save: Write in the background; training waits only for the copy to CPU memory.
+        overwrite: **Destructive.** When a fit starts a new run (no ``resume``) in a directory that
+            already holds checkpoints, delete them instead of refusing to start with a
+            :class:`distkit.CheckpointConflictError`. A fit that resumes deletes nothing.
 
     Attributes:
         manager: The :class:`distkit.CheckpointManager`, once ``fit`` has started.
@@ -125,6 +128,7 @@ class ModelCheckpoint(Callback):
         every_n_epochs: int = 1,
         every_n_steps: int | None = None,
         async_save: bool = False,
+        overwrite: bool = False,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}.")
@@ -144,9 +148,17 @@ class ModelCheckpoint(Callback):
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
         self.async_save = async_save
+        self.overwrite = overwrite
         self.manager: Any = None
         self.directory: Path | None = None
         self._last_saved_step: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The manager belongs to one process (its writer lock, its save in flight): the processes
+        # fit() starts get this callback pickled and make their own in setup().
+        state = dict(self.__dict__)
+        state["manager"] = None
+        return state
 
     def setup(self, trainer: Trainer) -> None:
         """Make the manager (called by the Trainer before it restores a checkpoint). Local."""
@@ -160,6 +172,7 @@ class ModelCheckpoint(Callback):
             monitor=self.monitor,
             mode=self.mode,
             async_save=self.async_save,
+            overwrite=self.overwrite,
         )
 
     def save(self, trainer: Trainer, metrics: Mapping[str, float] | None = None) -> None:
@@ -183,7 +196,7 @@ class ModelCheckpoint(Callback):
             self.save(trainer, self._monitored(metrics))
 
     def on_fit_end(self, trainer: Trainer) -> None:
-        self.manager.wait()
+        self.manager.close()  # waits for a save in flight, then lets go of the directory
 
     def _monitored(self, metrics: Mapping[str, float]) -> dict[str, float] | None:
         # A checkpoint ranks for keep_best only when the monitored metric exists at that step.

@@ -5,12 +5,22 @@ and the data to N workers started by :func:`torch.distributed.launcher.api.elast
 machinery behind ``torchrun --standalone``): a c10d rendezvous on 127.0.0.1 with a free port,
 workers started with ``spawn``, and torch's ``ChildFailedError`` (first failing rank's traceback
 first) when a worker fails. Inside each worker ``fit`` finds torchrun's variables and joins the job.
+
+A worker must start ``fit`` where a torchrun rank of the same script would: a ``spawn``\\ ed process
+has fresh random generators, distkit's default loader seed and torch's default settings, while each
+torchrun rank ran the script up to ``fit`` and so has what it seeded, drew and set. The workers get
+the launching process's seeding (:func:`distkit.seeding._capture_process_seeding`) and the few torch
+settings a script commonly changes (default dtype, float32 matmul precision).
 """
 
 from __future__ import annotations
 
+import ast
+import multiprocessing
 import os
 import pickle
+import sys
+import types
 import uuid
 from typing import Any
 
@@ -18,6 +28,7 @@ import torch
 
 from distkit import runtime
 from distkit.errors import DistkitError
+from distkit.seeding import _capture_process_seeding, _restore_process_seeding
 from distkit.trainer.strategies import LOCAL_RUN_PREFIX
 
 __all__: list[str] = []
@@ -25,6 +36,75 @@ __all__: list[str] = []
 # How long the workers may take to meet at the rendezvous. Local workers start within seconds;
 # a minute covers a loaded machine importing torch N times at once.
 _RENDEZVOUS_TIMEOUT_S = 60
+
+_GUARD_FIX = (
+    "fit() starts its processes with 'spawn', and every one of them imports the script again "
+    "(as '__mp_main__'), so training code at the top level of the script runs again in each of "
+    "them. Put it under a guard:\n\n"
+    '    if __name__ == "__main__":\n'
+    "        main()\n\n"
+    "or start the script with `torchrun --nproc_per_node=N`, which needs none."
+)
+
+
+def check_main_guard(nprocs: int) -> None:
+    """Refuse to start workers when ``fit`` is reached from the main script's unguarded top level.
+
+    Local. ``spawn`` re-runs the main script in every worker: without ``if __name__ ==
+    "__main__":`` each worker would reach ``fit`` again while importing it and fail in
+    multiprocessing's bootstrapping check (hundreds of lines of tracebacks from every worker). The
+    check reads the script's syntax tree: the line of the script's top level being run must lie
+    inside an ``if`` that tests ``__name__`` against ``"__main__"``. It is skipped where ``spawn``
+    does not re-run anything (interactive sessions, ``python -c``, standard input, a package's
+    ``__main__.py``) or the source cannot be read.
+
+    Raises:
+        DistkitError: The guard is missing; the message shows the fix.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A spawned process importing the main script: its parent had no guard either (this is
+        # multiprocessing's own test for it), and the parent-side check below was skipped.
+        raise DistkitError(f"fit() was reached while a worker process imported the main script. {_GUARD_FIX}")
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if main is None or not path or spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return
+    try:
+        with open(frame.f_code.co_filename, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    # Lenient, so that no guarded script is refused: any `if` (or conditional expression) that
+    # looks at __name__ and "__main__", at any depth, guards the lines it spans.
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.If, ast.IfExp)):
+            continue
+        if node.lineno <= line <= (node.end_lineno or 0) and _tests_main(node.test):
+            return
+    raise DistkitError(
+        f"{os.path.basename(frame.f_code.co_filename)}, line {line}: fit() with {nprocs} processes was "
+        f'called from the top level of the script without an `if __name__ == "__main__":` guard. '
+        f"{_GUARD_FIX}"
+    )
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether a test compares ``__name__`` with ``"__main__"`` somewhere (``==``, ``!=``, ``and``...)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides) and any(
+                isinstance(side, ast.Constant) and side.value == "__main__" for side in sides
+            ):
+                return True
+    return False
 
 
 def serialize(what: str, payload: tuple[Any, ...]) -> bytes:
@@ -43,6 +123,25 @@ def serialize(what: str, payload: tuple[Any, ...]) -> bytes:
             f"unpicklable state, or start the script under `torchrun --nproc_per_node=N`, which needs "
             f"no pickling."
         ) from err
+
+
+def process_state() -> dict[str, Any]:
+    """What a torchrun rank of this script would have at this point and a spawned worker lacks.
+
+    Local: this process's seeding and torch settings, for :func:`_worker` to apply before ``fit``.
+    """
+    return {
+        "seeding": _capture_process_seeding(),
+        "default_dtype": torch.get_default_dtype(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _apply_process_state(state: dict[str, Any]) -> None:
+    torch.set_default_dtype(state["default_dtype"])
+    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    # Last: nothing may draw from the generators between this and fit().
+    _restore_process_seeding(state["seeding"])
 
 
 def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
@@ -79,7 +178,8 @@ def _worker(payload: bytes) -> bytes:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     from distkit.trainer.trainer import _Preempted
 
-    trainer, model, args, kwargs = pickle.loads(payload)
+    trainer, model, args, kwargs, state = pickle.loads(payload)
+    _apply_process_state(state)
     preempted = False
     try:
         trainer.fit(model, *args, **kwargs)

@@ -136,7 +136,8 @@ def _format(value: float) -> Any:
 class TensorBoardLogger(Logger):
     """Metrics as TensorBoard scalars; needs ``tensorboard`` (``pip install 'distkit[tensorboard]'``).
 
-    Local (main process only). A resumed ``fit`` purges the events after the resumed step.
+    Local (main process only). A resumed ``fit`` purges the events after the resumed step (those
+    at that step stay, as they were written before its checkpoint).
 
     Args:
         save_dir: Directory of the event files; ``None`` means ``<default_root_dir>/tensorboard``.
@@ -159,7 +160,10 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
             ) from err
         directory = self.save_dir or save_dir / "tensorboard"
-        self._writer = SummaryWriter(log_dir=str(directory), purge_step=resume_step)
+        # SummaryWriter purges the events at steps >= purge_step; those at the resumed step itself
+        # were written before its checkpoint and are kept, as CSVLogger keeps its rows.
+        purge_step = None if resume_step is None else resume_step + 1
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         self._writer.add_text("hparams", json.dumps(dict(params), indent=2, sort_keys=True, default=str))

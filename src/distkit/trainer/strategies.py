@@ -235,8 +235,16 @@ def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -
         check_cuda_indices(devices, f"devices={list(devices)}")
         count, indices = len(devices), devices
     elif devices == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 1
-        indices = ()
+        if not torch.cuda.is_available():
+            # One process per GPU has no CPU counterpart (one per core would oversubscribe the
+            # cores with intra-op threads), and one process would be DDP in name only.
+            raise DistkitError(
+                "strategy='ddp' with devices='auto' outside a launcher starts one process per GPU, but "
+                "CUDA is not available here, so the number of processes is unknown. Pass devices=N "
+                "(e.g. devices=2) to start N CPU processes, or start the script with "
+                "`torchrun --nproc_per_node=N`."
+            )
+        count, indices = torch.cuda.device_count(), ()
     else:
         count, indices = int(devices), ()
         if torch.cuda.is_available() and count > torch.cuda.device_count():

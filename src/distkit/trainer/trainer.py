@@ -25,6 +25,7 @@ batches and random draws are given back) and training stops after the step befor
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -32,6 +33,7 @@ import pickle
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import runtime
-from distkit.checkpoint import ResumeState, load_checkpoint
+from distkit.checkpoint import CheckpointConflictError, ResumeState, load_checkpoint
 from distkit.collectives import all_gather_object, all_reduce, any_rank, reduce_metrics
 from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.errors import DistkitError
-from distkit.seeding import seed_everything
+from distkit.seeding import capture_rng_state, restore_rng_state, seed_everything
 from distkit.trainer import launch, strategies
 from distkit.trainer.callbacks import Callback, ModelCheckpoint, _ProgressBar
 from distkit.trainer.loggers import CSVLogger, Logger
@@ -158,6 +160,48 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return loss.reshape(()), extras
 
 
+def _track_optimizer_steps(scheduler: Any) -> None:
+    """Give a copied scheduler's optimizer back torch's record of ``optimizer.step()`` calls.
+
+    An ``LRScheduler`` wraps its optimizer's ``step`` when it is made, to warn when the scheduler
+    steps before the optimizer (pytorch/pytorch#20124). Pickling drops that wrapper
+    (``Optimizer.__getstate__`` keeps the defaults, state and groups only), so in the processes
+    ``fit`` starts, the first ``scheduler.step()`` after a real ``optimizer.step()`` warned that
+    ``optimizer.step()`` "has been overridden". This puts the same wrapper back (as
+    ``LRScheduler.__init__`` makes it, torch/optim/lr_scheduler.py); an optimizer that has it, or
+    a scheduler that is not an ``LRScheduler``, is left alone.
+    """
+    optimizer = getattr(scheduler, "optimizer", None)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or optimizer is None:
+        return
+    step = getattr(optimizer, "step", None)
+    if step is None or hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+        return
+    optimizer_ref, func = weakref.ref(optimizer), step.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = optimizer_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper
+
+
+def _tree_to_cpu(obj: Any) -> Any:
+    """``obj`` with its tensors copied to the CPU (for sending to another process)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {key: _tree_to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_tree_to_cpu(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tree_to_cpu(value) for value in obj)
+    return obj
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return batch  # loaders yield CPU tensors; .to() would only cost dispatch time
@@ -201,16 +245,76 @@ def _metric_value(name: str, value: Any, batch_size: int) -> tuple[torch.Tensor 
 
 
 class _Counters:
-    """The Trainer's counters that ResumeState does not hold."""
+    """The Trainer's counters that ResumeState does not hold, its latest metrics, and the partial
+    sums of what it logs next.
+
+    The partial sums (training loss since the last logging step and over the epoch, extra
+    ``training_step`` metrics) are each rank's own numbers: they are saved per rank, so that the
+    first reduction after a resume adds exactly the numbers the uninterrupted run added. A checkpoint
+    written before they were saved resumes with empty sums (the first window and epoch mean then
+    cover the resumed steps only, as they used to).
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": self.trainer.skipped_steps}
+        """Collective: gathers every rank's partial sums (checkpoint saves run on every rank)."""
+        trainer = self.trainer
+        if trainer._log_pending:
+            # Saved from on_train_step_end at a logging step, before the Trainer logged it: log
+            # first (a collective, as this save is), so the checkpoint holds the step's state after
+            # its log, which is where the uninterrupted run goes on from. The callbacks' state is
+            # collected after this entry, so it includes what their on_log hooks did.
+            trainer._log_step()
+        return {
+            "skipped_steps": trainer.skipped_steps,
+            "nonfinite_run": list(trainer._nonfinite_run),
+            "callback_metrics": _plain_metrics(trainer.callback_metrics),
+            "world_size": runtime.get_world_size(),
+            "log_sums": all_gather_object(trainer._log_sums()),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trainer.skipped_steps = int(state["skipped_steps"])
+        trainer = self.trainer
+        trainer.skipped_steps = int(state["skipped_steps"])
+        trainer._nonfinite_run = [int(step) for step in state.get("nonfinite_run", [])]
+        trainer.callback_metrics = dict(state.get("callback_metrics", {}))
+        saved = state.get("log_sums")
+        if saved is None:
+            return
+        rank, world_size = runtime.get_rank(), runtime.get_world_size()
+        if int(state["world_size"]) == world_size and len(saved) == world_size:
+            trainer._load_log_sums(saved[rank])
+        elif rank == 0:
+            # Another world size: one rank carries the job's totals, so the next reduction (a sum
+            # over ranks) still covers every saved step, up to rounding.
+            trainer._load_log_sums(_merged_log_sums(saved))
+
+
+def _plain_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics that are numbers, as floats (a checkpoint loads only plain types back)."""
+    plain: dict[str, float] = {}
+    for name, value in metrics.items():
+        try:
+            plain[str(name)] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue  # a callback's non-numeric entry: not saved
+    return plain
+
+
+def _merged_log_sums(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's partial sums added up, for a resume on another number of ranks."""
+    extras: dict[str, float] = {}
+    for sums in per_rank:
+        for name, value in sums["extras"].items():
+            extras[name] = extras.get(name, 0.0) + float(value)
+    return {
+        "window": [sum(float(s["window"][0]) for s in per_rank), sum(int(s["window"][1]) for s in per_rank)],
+        "epoch": [sum(float(s["epoch"][0]) for s in per_rank), sum(int(s["epoch"][1]) for s in per_rank)],
+        "extras": extras,
+        "extra_count": sum(int(s["extra_count"]) for s in per_rank),
+    }
 
 
 class _GivenBack:
@@ -243,6 +347,15 @@ class _CallbackStates:
                 cb.load_state_dict(saved)
 
 
+def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
+    """Whether checkpoint ``path`` lies inside ``directory`` (local paths or URLs)."""
+    path, directory = os.fspath(path), os.fspath(directory)
+    if "://" in path or "://" in directory:
+        return path.rstrip("/").startswith(directory.rstrip("/") + "/")
+    real_path, real_dir = os.path.realpath(path), os.path.realpath(directory)
+    return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir
+
+
 class Trainer:
     """Train a model on one device, over the GPUs of one process (DP), or over many processes (DDP).
 
@@ -261,7 +374,8 @@ class Trainer:
             device), ``"single"``, ``"dp"`` (``nn.DataParallel``, CUDA only), ``"ddp"``, or a
             :class:`DDPStrategy` carrying DDP's options.
         devices: ``"auto"``, a count (DDP: processes, one device each; DP: GPUs), or a list of
-            CUDA indices (as ``--gpu-ids 0,1,3``).
+            CUDA indices (as ``--gpu-ids 0,1,3``). DDP outside a launcher with ``"auto"`` starts
+            one process per visible GPU, and needs a count without CUDA.
         precision: ``"32"``, ``"bf16-mixed"`` (CPU or CUDA) or ``"16-mixed"`` (CUDA, with a
             ``GradScaler``).
         max_epochs: Epochs to train; at least one of ``max_epochs`` and ``max_steps`` is needed.
@@ -509,6 +623,12 @@ class Trainer:
         self._epoch_count = 0
         self._extra_sums: dict[str, Any] = {}
         self._extra_count = 0
+        # (global_step, sums, count) of the extra metrics before the step in flight: what a
+        # discarded step gives back (taken only when training_step returns extra metrics).
+        self._extras_at_step: tuple[int, dict[str, Any], int] | None = None
+        # This optimizer step is a logging step whose metrics are not logged yet (between the
+        # step-end callbacks and the log): a checkpoint saved then logs them first.
+        self._log_pending = False
 
     # ------------------------------------------------------------------------------------------
     # Read-only views for callbacks
@@ -562,9 +682,13 @@ class Trainer:
         """Train ``model`` on ``train_data``, validating on ``val_data`` every epoch.
 
         Collective: call on every rank (under a launcher). Outside a launcher, with
-        ``strategy="ddp"`` and several devices, it starts the processes itself and, when they
-        finish, loads rank 0's final weights into ``model`` (the optimizer's state stays in the
-        workers' checkpoints). Without a process group (one device) it trains in this process.
+        ``strategy="ddp"`` and several devices, it starts the processes itself, each from this
+        process's random generators and seeding (as every rank of ``torchrun`` running the script
+        would be), and when they finish this process takes over rank 0's final state: the weights
+        in ``model``, the optimizer and scheduler (the objects passed, or made here by the factories
+        passed, as ``trainer.optimizer`` and ``trainer.lr_scheduler``), the callbacks'
+        ``state_dict()``, the counters, ``callback_metrics`` and rank 0's random generators. Without
+        a process group (one device) it trains in this process.
 
         Args:
             model: A plain ``nn.Module`` (batches are ``(inputs, target)``, the loss is
@@ -587,8 +711,9 @@ class Trainer:
         Raises:
             DistkitError: The loss (or, when clipping by norm, the gradients) was non-finite for
                 ``max_consecutive_nonfinite`` consecutive steps (the message lists them), the
-                strategy does not fit the job, or the objects cannot be sent to the processes
-                ``fit`` starts.
+                strategy does not fit the job (``devices="auto"`` for DDP without CUDA outside a
+                launcher included), the objects cannot be sent to the processes ``fit`` starts,
+                or the script starting them has no ``if __name__ == "__main__":`` guard.
             TypeError, ValueError: A misshapen argument (the message names it).
             SystemExit: Code 0 after a SIGTERM on any rank: every rank stopped after the same
                 completed step, a checkpoint of it was saved, and the process should exit (a
@@ -635,6 +760,13 @@ class Trainer:
                 self._run()
             finally:
                 self._restore_preemption_handler(previous_handler)
+        except BaseException as err:
+            # A failed fit lets go of the checkpoint directory now, without waiting on ranks that
+            # may be gone (a successful one closes it in ModelCheckpoint.on_fit_end).
+            checkpoint = self._checkpoint_callback()
+            if checkpoint is not None and checkpoint.manager is not None:
+                checkpoint.manager.__exit__(type(err), err, err.__traceback__)
+            raise
         finally:
             for cb in self._active_callbacks:
                 if isinstance(cb, _ProgressBar):
@@ -710,6 +842,7 @@ class Trainer:
         checkpoint = self._checkpoint_callback()
         if checkpoint is not None:
             checkpoint.setup(self)
+            self._claim(checkpoint)
         resumed_from = self._restore()
         if runtime.is_main_process():
             for logger in self.loggers:
@@ -765,6 +898,7 @@ class Trainer:
                 "lr_scheduler belongs to another optimizer than the one given to fit(); make it from that "
                 "optimizer, or pass a function of the optimizer."
             )
+        _track_optimizer_steps(lr_scheduler)
         return lr_scheduler
 
     def _make_loader(self, data: Any, batch_size: int, *, evaluation: bool) -> Any:
@@ -812,9 +946,13 @@ class Trainer:
 
         Model (the user's module, unwrapped), optimizer, scheduler, gradient scaler, the loop
         position with every rank's RNG state (a :class:`distkit.checkpoint.ResumeState`), the
-        loader's position, the Trainer's counters and the callbacks' state.
+        loader's position, the Trainer's counters and latest metrics with every rank's partial sums
+        of the metrics it logs next, and the callbacks' state.
 
-        Local to build; saving it is collective (the ResumeState gathers every rank's RNG state).
+        Local to build; saving it is collective (the ResumeState gathers every rank's RNG state, the
+        counters every rank's partial sums). Saved from ``on_train_step_end`` at a logging step, the
+        save first logs that step's metrics (the log's collective), so that the checkpoint holds
+        the state the run goes on from.
 
         Example:
             >>> manager.save(trainer.global_step, trainer.checkpoint_state())  # doctest: +SKIP
@@ -841,6 +979,32 @@ class Trainer:
 
     def _checkpoint_callback(self) -> ModelCheckpoint | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    def _claim(self, checkpoint: ModelCheckpoint) -> None:
+        """Take the checkpoint directory before training, not at the first save an epoch later.
+
+        Collective. ``resume="auto"`` claims in ``restore()``; a checkpoint path inside the
+        directory continues that directory's run; anything else is a fresh run, which must not
+        inherit or destroy the checkpoints of another (issue 11).
+        """
+        if self.resume == "auto":
+            return
+        resuming = self.resume is not None and _is_inside(self.resume, checkpoint.directory)
+        try:
+            checkpoint.manager.claim(resuming=resuming)
+        except CheckpointConflictError as err:
+            if not err.steps:  # another writer holds the directory: the manager's message says so
+                raise
+            raise CheckpointConflictError(
+                f"{checkpoint.directory} already holds the checkpoints of another run (steps "
+                f"{err.steps[0]}..{err.steps[-1]}), and this fit() starts a new one (resume="
+                f"{self.resume!r}). Continue that run with Trainer(resume='auto'); or write to another "
+                f"directory (Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)); or start "
+                f"over with callbacks=[ModelCheckpoint(overwrite=True)], which deletes them.",
+                directory=err.directory,
+                steps=err.steps,
+                label=err._label,
+            ) from None
 
     def _restore(self) -> int | None:
         """Restore from ``self.resume``; the step resumed from, or ``None`` for a fresh start.
@@ -903,7 +1067,8 @@ class Trainer:
         elif callable(getattr(getattr(loader, "sampler", None), "set_epoch", None)):
             loader.sampler.set_epoch(self.current_epoch)
         self._epoch_finished = False
-        self._epoch_sum, self._epoch_count = 0.0, 0
+        if not first:  # a resumed epoch keeps the restored sums of its first steps
+            self._epoch_sum, self._epoch_count = 0.0, 0
         self.model.train()  # type: ignore[union-attr]
         for cb in self._active_callbacks:
             cb.on_train_epoch_start(self)
@@ -954,7 +1119,7 @@ class Trainer:
                 else:
                     precision.backward(scaled)
             if extras:
-                self._add_extras(extras)
+                self._add_extras(extras, first=accumulate == 1 or not micro_losses)
             self._batches_done = batch_idx + 1
             if accumulate == 1:
                 if self._optimizer_step(loss.detach(), value, 1):
@@ -976,11 +1141,36 @@ class Trainer:
         # The pass is over, so the loader has moved on by itself: nothing more to give back.
         self._given_back = 0
 
-    def _add_extras(self, extras: Mapping[str, Any]) -> None:
+    def _add_extras(self, extras: Mapping[str, Any], *, first: bool) -> None:
+        if first:  # the step's first micro-batch: what a discarded step gives back
+            self._extras_at_step = (self.global_step, dict(self._extra_sums), self._extra_count)
         for name, value in extras.items():
             value = value.detach().double().reshape(()) if isinstance(value, torch.Tensor) else float(value)
             self._extra_sums[name] = self._extra_sums.get(name, 0.0) + value
         self._extra_count += 1
+
+    def _log_sums(self) -> dict[str, Any]:
+        """This rank's partial sums of what is logged next, as a checkpoint saves them. Local."""
+        epoch = (0.0, 0) if self._epoch_finished else (self._epoch_sum, self._epoch_count)
+        return {
+            "window": [self._window_sum, self._window_count],
+            "epoch": list(epoch),
+            "extras": {
+                name: value.detach().cpu() if isinstance(value, torch.Tensor) else float(value)
+                for name, value in self._extra_sums.items()
+            },
+            "extra_count": self._extra_count,
+        }
+
+    def _load_log_sums(self, sums: Mapping[str, Any]) -> None:
+        """Put back what :meth:`_log_sums` saved (tensors onto this rank's device). Local."""
+        self._window_sum, self._window_count = float(sums["window"][0]), int(sums["window"][1])
+        self._epoch_sum, self._epoch_count = float(sums["epoch"][0]), int(sums["epoch"][1])
+        self._extra_sums = {
+            name: value.to(self.device) if isinstance(value, torch.Tensor) else float(value)
+            for name, value in sums["extras"].items()
+        }
+        self._extra_count = int(sums["extra_count"])
 
     def _poisoned_backward(self, loss: torch.Tensor) -> None:
         """Backward with every gradient of this rank turned to nan: the other ranks see it in the
@@ -1040,9 +1230,13 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
 
+        log = self.global_step % self.log_every_n_steps == 0
+        if log:
+            # A checkpoint saved by a step-end callback logs this step's metrics first (_Counters).
+            self._log_pending = True
         for cb in self._step_end_callbacks:
             cb.on_train_step_end(self, loss)
-        if self.global_step % self.log_every_n_steps == 0:
+        if log and self._log_pending:
             self._log_step()
         if self._job_preempt:
             self._preempt()
@@ -1099,6 +1293,8 @@ class Trainer:
             p.grad = None  # also the poisoned ones the optimizer does not hold
         for generator, state in zip(self._generators, self._states_at_step, strict=True):
             generator.set_state(state)
+        if self._extras_at_step is not None and self._extras_at_step[0] == self.global_step:
+            _, self._extra_sums, self._extra_count = self._extras_at_step
         self._batches_done -= micro
         self._given_back = micro
         self._should_stop = True
@@ -1126,6 +1322,7 @@ class Trainer:
             )
 
     def _log_step(self) -> None:
+        self._log_pending = False
         # The logging step's one collective: the loss and every extra training metric at once.
         if self._extra_sums:
             local: dict[str, Any] = {"train_loss": (self._window_sum, float(self._window_count))}
@@ -1263,31 +1460,63 @@ class Trainer:
     def _launch(
         self, plan: strategies._Plan, model: nn.Module, data: tuple[Any, Any], kwargs: dict[str, Any]
     ) -> None:
+        """Train on ``plan.local_processes`` new processes, then take over rank 0's final state."""
+        launch.check_main_guard(plan.local_processes)
         payload = launch.serialize(
-            "the trainer, model, data, optimizer and functions", (self, model, data, kwargs)
+            "the trainer, model, data, optimizer and functions",
+            (self, model, data, kwargs, launch.process_state()),
         )
         results = launch.launch(plan.local_processes, payload)
         outcome = pickle.loads(results[0])
-        model.load_state_dict(outcome["model"])
-        self.global_step = outcome["global_step"]
-        self.current_epoch = outcome["current_epoch"]
-        self.skipped_steps = outcome["skipped_steps"]
-        self.callback_metrics = outcome["callback_metrics"]
+        self._take_outcome(model, kwargs, outcome)
         self.world_size = plan.world_size
         if outcome["preempted"]:
             raise _Preempted()
 
     def _outcome(self, preempted: bool) -> dict[str, Any]:
         """What rank 0 of launched workers sends back to the process that started them."""
-        assert self.model is not None
+        assert self.model is not None and self.optimizer is not None
+        scheduler = self.lr_scheduler
         return {
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "optimizer": _tree_to_cpu(self.optimizer.state_dict()),
+            "lr_scheduler": None if scheduler is None else _tree_to_cpu(scheduler.state_dict()),
+            "callbacks": _tree_to_cpu(_CallbackStates(self.callbacks).state_dict()),
             "global_step": self.global_step,
             "current_epoch": self.current_epoch,
             "skipped_steps": self.skipped_steps,
+            "should_stop": self._should_stop,
             "callback_metrics": dict(self.callback_metrics),
+            "rng": capture_rng_state(),
             "preempted": preempted,
         }
+
+    def _take_outcome(self, model: nn.Module, kwargs: Mapping[str, Any], outcome: Mapping[str, Any]) -> None:
+        """Make this (launching) process's objects what rank 0's were at the end of ``fit``.
+
+        The model, the optimizer (the object passed, or one the factory makes here over ``model``'s
+        parameters), the scheduler likewise, the callbacks' ``state_dict()``, the counters and
+        metrics, and the random generators: code after ``fit`` sees what rank 0 of a torchrun job
+        would. Local.
+        """
+        model.load_state_dict(outcome["model"])
+        self.model = model
+        self.optimizer = self._make_optimizer(model, kwargs["optimizer"])
+        # Made before the optimizer's state is loaded: a new scheduler sets the learning rates.
+        self.lr_scheduler = self._make_scheduler(kwargs["lr_scheduler"])
+        self.optimizer.load_state_dict(outcome["optimizer"])
+        if self.lr_scheduler is not None and outcome["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(outcome["lr_scheduler"])
+        _CallbackStates(self.callbacks).load_state_dict(outcome["callbacks"])
+        checkpoint = self._checkpoint_callback()
+        if checkpoint is not None:
+            checkpoint.setup(self)  # its manager reads the workers' checkpoints (latest(), best())
+        self.global_step = outcome["global_step"]
+        self.current_epoch = outcome["current_epoch"]
+        self.skipped_steps = outcome["skipped_steps"]
+        self._should_stop = outcome["should_stop"]
+        self.callback_metrics = outcome["callback_metrics"]
+        restore_rng_state(outcome["rng"])
 
     # ------------------------------------------------------------------------------------------
     # Reporting
