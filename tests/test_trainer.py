@@ -1031,6 +1031,7 @@ def test_python_and_torchrun_launches_of_one_script_train_the_same_job_bitwise(t
     # process.
     env = job_env()
     env["PYTHONWARNINGS"] = "always"  # every warning of every process reaches stderr
+    del env["OMP_NUM_THREADS"]  # each launcher's own default thread count, which must agree
     script = str(SCRIPTS / "launch_parity.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     runs = {

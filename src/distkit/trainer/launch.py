@@ -170,12 +170,13 @@ def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
 
 
 def _worker(payload: bytes) -> bytes:
-    # Each worker is a fresh interpreter; torchrun would set OMP_NUM_THREADS=1 here so that N
-    # processes do not each start one thread per core. Share the cores instead, unless the user
-    # chose a number.
+    # Each worker is a fresh interpreter. As torchrun does for several processes per node: one
+    # thread each unless the user chose a number. The thread count changes how floating-point sums
+    # are split, so any other default would make `python train.py` train another job than
+    # `torchrun train.py` (issue 11); OMP_NUM_THREADS=k gives k threads under both.
     if "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        os.environ["OMP_NUM_THREADS"] = "1"  # for the processes this worker starts, as torchrun's
+        torch.set_num_threads(1)
     from distkit.trainer.trainer import _Preempted
 
     trainer, model, args, kwargs, state = pickle.loads(payload)
