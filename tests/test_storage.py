@@ -23,7 +23,7 @@ import pytest
 
 import distkit
 import storage_servers
-from distkit import _fs, storage
+from distkit import _secrets, storage
 from distkit.testing import RankFailedError
 from storage_servers import FileServer, S3Endpoint, Stall
 
@@ -516,7 +516,7 @@ def _checked_upload(source: Path, dest: str, options: dict[str, Any] | None = No
     """An upload whose tree has been checked and whose files are not opened yet: a fixed point at
     which a test changes the tree. ``run()`` does the rest."""
     options = dict(options or {})
-    return storage._plan_upload(source, dest, options, _fs.Scrubber(options, dest))
+    return storage._plan_upload(source, dest, options, _secrets.Scrubber(options, dest))
 
 
 @pytest.mark.parametrize("dest_kind", ["local", "memory", "s3"])
@@ -786,14 +786,14 @@ def test_every_kind_of_credential_option_is_hidden_and_ordinary_options_are_not(
         "endpoint_url": "http://minio.local:9000",
         "path": "keep-this-path",
     }
-    scrub = _fs.Scrubber(options, "https://tok3n-as-user@host/x")
+    scrub = _secrets.Scrubber(options, "https://tok3n-as-user@host/x")
     secrets = ["pass-phrase-value", "account-key-value", "credentials-value", "creds-value", "sig-value"]
     secrets += ["pat-value-1", "cookie-value", "bearer-v", "tok3n-as-user"]
     text = scrub.text(" ".join(secrets) + " k9 ok9x http://minio.local:9000 keep-this-path")
     assert not [secret for secret in secrets if secret in text], text
     assert " k9 " not in text and "ok9x" in text  # a short secret goes only where it stands alone
     assert "http://minio.local:9000" in text and "keep-this-path" in text
-    assert _fs.redact_url("simplecache::https://u:pw@h/x?X-Amz-Signature=s&v=1") == (
+    assert _secrets.redact_url("simplecache::https://u:pw@h/x?X-Amz-Signature=s&v=1") == (
         "simplecache::https://***@h/x?X-Amz-Signature=***&v=***"
     )
 

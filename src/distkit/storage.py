@@ -19,7 +19,7 @@ from a partial one; :func:`download` refuses a partial one and checks a complete
 
 Credentials in ``storage_options``, in URLs and in HTTP headers are replaced by ``***`` in every
 message, exception chain, ``repr`` and log line (distkit's, and fsspec's, aiohttp's and botocore's
-during a call); see :class:`distkit._fs.Scrubber`.
+during a call); see :class:`distkit._secrets.Scrubber`.
 """
 
 from __future__ import annotations
@@ -52,16 +52,8 @@ import filelock
 import fsspec
 
 from distkit import coordination, runtime
-from distkit._fs import (
-    TEMP_MARKER,
-    Scrubber,
-    atomic_open,
-    fd_path,
-    fsync_dir,
-    redact_url,
-    temp_name,
-    umask_mode,
-)
+from distkit._fs import TEMP_MARKER, atomic_open, fd_path, fsync_dir, temp_name, umask_mode
+from distkit._secrets import Scrubber, redact_url
 from distkit.errors import DistkitError
 
 __all__ = ["ChecksumMismatchError", "LockTimeoutError", "UploadHandle", "download", "upload"]
