@@ -1088,6 +1088,38 @@ def test_self_launch_from_a_script_without_main_guard_fails_with_one_short_error
     assert not (tmp_path / "checkpoints").exists()  # refused before any process started
 
 
+GUARDED_SCRIPT = """import os
+import torch
+from torch import nn
+from distkit.trainer import Trainer
+
+if __name__ == "__main__":
+    model = nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = Trainer(strategy="ddp", devices=2, max_steps=2, default_root_dir=os.path.dirname(__file__))
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    trainer.fit(model, data, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+"""
+
+
+def test_an_error_in_self_launched_workers_is_raised_once_as_the_workers_own(tmp_path) -> None:
+    # Run twice into one directory: the second run's workers refuse to start a new run over the
+    # first one's checkpoints. The launching process raises that very error (type and message),
+    # with the worker's traceback as a note, instead of torch's agent log, a ChildFailedError and
+    # the same traceback three times.
+    script = tmp_path / "train.py"
+    script.write_text(GUARDED_SCRIPT)
+    assert run_job([sys.executable, str(script)], job_env(), timeout_s=120).returncode == 0
+    result = run_job([sys.executable, str(script)], job_env(), timeout_s=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("distkit.checkpoint.CheckpointConflictError: [rank ") and "resume='auto'" in last
+    assert "raised in fit()'s worker process rank " in output
+    assert "ChildFailedError" not in output and output.count("Traceback") == 2  # the parent's, the worker's
+    assert len(output.splitlines()) <= 40
+
+
 def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_exits_zero_and_resumes_exactly(
     ranks, tmp_path
 ) -> None:

@@ -3,8 +3,9 @@
 When ``fit`` runs outside any launcher and the plan wants N processes, it sends itself, the model
 and the data to N workers started by :func:`torch.distributed.launcher.api.elastic_launch` (the
 machinery behind ``torchrun --standalone``): a c10d rendezvous on 127.0.0.1 with a free port,
-workers started with ``spawn``, and torch's ``ChildFailedError`` (first failing rank's traceback
-first) when a worker fails. Inside each worker ``fit`` finds torchrun's variables and joins the job.
+workers started with ``spawn``; when a worker raises, the first failing rank's own exception is
+raised in the launching process, with the worker's traceback as a note. Inside each worker ``fit``
+finds torchrun's variables and joins the job.
 
 A worker must start ``fit`` where a torchrun rank of the same script would: a ``spawn``\\ ed process
 has fresh random generators, distkit's default loader seed and torch's default settings, while each
@@ -16,10 +17,14 @@ settings a script commonly changes (default dtype, float32 matmul precision).
 from __future__ import annotations
 
 import ast
+import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
 import sys
+import tempfile
+import traceback
 import types
 import uuid
 from typing import Any
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from distkit import runtime
+from distkit._fs import atomic_open
 from distkit.errors import DistkitError
 from distkit.seeding import _capture_process_seeding, _restore_process_seeding
 from distkit.trainer.strategies import LOCAL_RUN_PREFIX
@@ -147,9 +153,11 @@ def _apply_process_state(state: dict[str, Any]) -> None:
 def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
     """Run :func:`_worker` on ``nprocs`` local processes; return each rank's return value.
 
-    Local to this process (it becomes the launcher agent); raises torch's ``ChildFailedError``
-    when a worker fails.
+    Local to this process (it becomes the launcher agent). When a worker raises, this raises the
+    first failing rank's own exception (see :func:`_worker_error`); when one dies without raising
+    (a signal, ``os._exit``), torch's ``ChildFailedError``.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -166,10 +174,71 @@ def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
         max_restarts=0,
         start_method="spawn",
     )
-    return elastic_launch(config, _worker)(payload)
+    with tempfile.TemporaryDirectory(prefix="distkit-fit-") as errors:
+        # The agent logs every failing worker's traceback at ERROR level, then raises a
+        # ChildFailedError holding it again: three copies of one error. A worker's exception is
+        # raised here instead, once, with its traceback; torch's report stays for deaths that
+        # leave no exception behind.
+        agent_log = logging.getLogger("torch.distributed.elastic")
+        level = agent_log.level
+        agent_log.setLevel(logging.CRITICAL)
+        try:
+            return elastic_launch(config, _worker)(payload, errors)
+        except ChildFailedError as failure:
+            raise _worker_error(failure, errors, nprocs) from None
+        finally:
+            agent_log.setLevel(level)
 
 
-def _worker(payload: bytes) -> bytes:
+def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
+    """The exception to raise for a failed launch: the first failing rank's own, when it left one.
+
+    Its type and message are the worker's (a ``CheckpointConflictError`` stays one), with a note
+    holding the worker's traceback and one line per other failing rank, as ``ChildFailedError``
+    orders them; an exception that cannot be rebuilt here becomes a :class:`DistkitError` with its
+    text. ``failure`` itself when the first failing rank left no report.
+    """
+    first, _ = failure.get_first_failure()
+    reports: dict[int, tuple[BaseException | None, str, str]] = {}
+    unreadable = (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError)
+    for rank in failure.failures:
+        with contextlib.suppress(*unreadable), open(os.path.join(errors, f"rank{rank}.pkl"), "rb") as report:
+            reports[rank] = pickle.load(report)
+    if first not in reports:
+        return failure  # type: ignore[no-any-return]
+    error, summary, trace = reports[first]
+    if error is None:
+        error = DistkitError(summary)
+    others = [
+        f"  rank {rank}/{nprocs}: "
+        + (reports[rank][1] if rank in reports else f"exit code {failure.failures[rank].exitcode}")
+        for rank in sorted(failure.failures)
+        if rank != first
+    ]
+    pid = failure.failures[first].pid
+    note = f"raised in fit()'s worker process rank {first}/{nprocs} (pid {pid}):\n{trace}"
+    if others:
+        note += "other failing ranks:\n" + "\n".join(others)
+    if not hasattr(error, "add_note"):  # Python 3.10
+        return DistkitError(f"{summary}\n{note.rstrip()}")
+    error.add_note(note.rstrip("\n"))
+    return error
+
+
+def _report_failure(errors: str, err: BaseException) -> None:
+    """Leave ``err`` where the launching process finds it (a pickle of it, its summary, its traceback)."""
+    summary = f"{type(err).__name__}: {err}"
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    try:
+        data = pickle.dumps((err, summary, trace), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)  # must rebuild in the launching process too (no local classes, no locks)
+    except Exception:
+        data = pickle.dumps((None, summary, trace), protocol=pickle.HIGHEST_PROTOCOL)
+    with atomic_open(os.path.join(errors, f"rank{os.environ.get('RANK', '0')}.pkl")) as out:
+        out.write(data)
+
+
+def _worker(payload: bytes, errors: str) -> bytes:
     # Each worker is a fresh interpreter. As torchrun does for several processes per node: one
     # thread each unless the user chose a number. The thread count changes how floating-point sums
     # are split, so any other default would make `python train.py` train another job than
@@ -186,5 +255,8 @@ def _worker(payload: bytes) -> bytes:
         trainer.fit(model, *args, **kwargs)
     except _Preempted:
         preempted = True
+    except BaseException as err:
+        _report_failure(errors, err)
+        raise
     outcome = trainer._outcome(preempted) if runtime.is_main_process() else None
     return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)

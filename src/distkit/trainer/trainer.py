@@ -995,9 +995,11 @@ class Trainer:
         except CheckpointConflictError as err:
             if not err.steps:  # another writer holds the directory: the manager's message says so
                 raise
+            first, last = err.steps[0], err.steps[-1]
+            steps = f"step {first}" if first == last else f"steps {first}..{last}"
             raise CheckpointConflictError(
-                f"{checkpoint.directory} already holds the checkpoints of another run (steps "
-                f"{err.steps[0]}..{err.steps[-1]}), and this fit() starts a new one (resume="
+                f"{checkpoint.directory} already holds the checkpoints of another run ({steps}), and "
+                f"this fit() starts a new one (resume="
                 f"{self.resume!r}). Continue that run with Trainer(resume='auto'); or write to another "
                 f"directory (Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)); or start "
                 f"over with callbacks=[ModelCheckpoint(overwrite=True)], which deletes them.",
