@@ -23,7 +23,7 @@ import pytest
 
 import distkit
 import storage_servers
-from distkit import _secrets, storage
+from distkit import _secrets, _transfer, _upload, storage
 from distkit.testing import RankFailedError
 from storage_servers import FileServer, S3Endpoint, Stall
 
@@ -310,7 +310,7 @@ def test_lock_held_by_a_live_process_times_out_naming_the_lock_file(tmp_path: Pa
 def test_transient_http_errors_are_retried_then_succeed(
     http_server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(storage, "_RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(_transfer, "_RETRY_BASE_S", 0.01)
     caplog.set_level(logging.WARNING, logger="distkit")
     http_server.files["/data.bin"] = PAYLOAD
     http_server.fail_next(2)  # the HEAD and the GET of the first attempt's look-up
@@ -328,7 +328,7 @@ def test_missing_source_is_not_retried(http_server: FileServer, tmp_path: Path) 
 
 
 def download_from_dead_server(url: str, dest: str) -> str:
-    saved, storage._RETRY_BASE_S = storage._RETRY_BASE_S, 0.01
+    saved, _transfer._RETRY_BASE_S = _transfer._RETRY_BASE_S, 0.01
     try:
         distkit.download(url, dest, timeout_s=60)
     except distkit.MainProcessError as err:
@@ -336,7 +336,7 @@ def download_from_dead_server(url: str, dest: str) -> str:
     except distkit.DistkitError as err:
         return f"own {err}"
     finally:
-        storage._RETRY_BASE_S = saved
+        _transfer._RETRY_BASE_S = saved
     return "no error"
 
 
@@ -516,7 +516,7 @@ def _checked_upload(source: Path, dest: str, options: dict[str, Any] | None = No
     """An upload whose tree has been checked and whose files are not opened yet: a fixed point at
     which a test changes the tree. ``run()`` does the rest."""
     options = dict(options or {})
-    return storage._plan_upload(source, dest, options, _secrets.Scrubber(options, dest))
+    return _upload._plan_upload(source, dest, options, _secrets.Scrubber(options, dest))
 
 
 @pytest.mark.parametrize("dest_kind", ["local", "memory", "s3"])
@@ -717,7 +717,7 @@ def _closed_port() -> int:
 def test_credentials_stay_out_of_http_errors_their_whole_chains_and_all_logs(
     http_server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root_log: list[str]
 ) -> None:
-    monkeypatch.setattr(storage, "_RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(_transfer, "_RETRY_BASE_S", 0.01)
     http_server.files["/data.bin"] = PAYLOAD
     options = {"headers": HEADERS}
     missing = http_server.url(f"/missing.bin?sig={SECRET}-sig&se=2030")

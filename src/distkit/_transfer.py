@@ -1,0 +1,129 @@
+"""What download and upload share (private): retries of transient errors, the upload markers, the log.
+
+:func:`_with_retries` retries what fails for a reason that passes (a dropped connection, a timeout,
+a 5xx answer) with back-off. The markers' names and the manifest's format are the contract between
+:mod:`distkit._upload`, which writes them, and :mod:`distkit._download`, which reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from distkit import coordination, runtime
+from distkit._secrets import Scrubber
+from distkit.errors import DistkitError
+
+T = TypeVar("T")
+
+# Transient network errors: 4 attempts, 1 + 2 + 4 = 7 s of back-off in all, enough to ride out a
+# load balancer's restart without hiding an outage for long.
+_ATTEMPTS = 4
+_RETRY_BASE_S = 1.0
+# Copy in 4 MiB pieces: large enough that per-call overhead vanishes, small enough to stream.
+_CHUNK = 4 * 2**20
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EIO,
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.EAGAIN,
+    }
+)
+# The markers of a directory upload, at the top of the destination. The leading underscore makes
+# dataset readers skip them (pyarrow, Spark and Hive ignore names starting with "_" or ".").
+# The manifest exists only once every file is in place, as Hadoop's _SUCCESS does, so a sensor
+# that waits for it needs no parsing; _DISTKIT_INCOMPLETE is what tells a partial tree written by
+# distkit (failed, killed or still running) from a tree someone else wrote.
+MANIFEST_NAME = "_DISTKIT_MANIFEST.json"
+INCOMPLETE_NAME = "_DISTKIT_INCOMPLETE"
+_MARKERS = frozenset({MANIFEST_NAME, INCOMPLETE_NAME})
+_MANIFEST_FORMAT = "distkit-upload"
+_MANIFEST_VERSION = 1
+# An error that lists problems (files that differ from a manifest, entries an upload refuses)
+# shows this many: enough to see the pattern, few enough to read in a log; the rest are counted.
+_MAX_LISTED = 20
+
+
+def _log() -> runtime.RankLoggerAdapter:
+    return runtime.get_logger("distkit.storage")
+
+
+def _label() -> str:
+    return f"[rank {runtime.get_rank()}/{runtime.get_world_size()}]"
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _problem_lines(problems: list[str]) -> str:
+    """``problems`` as indented lines, each after a newline: the first 20, then how many more."""
+    listed = "".join(f"\n  {problem}" for problem in problems[:_MAX_LISTED])
+    more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    return listed + more
+
+
+# -- retries --------------------------------------------------------------------------------------
+
+
+def _is_transient(err: BaseException) -> bool:
+    """Worth retrying: a dropped connection, a timeout, a 5xx answer; not a missing file."""
+    if isinstance(err, DistkitError):
+        return False
+    if isinstance(err, FileNotFoundError):
+        # fsspec's HTTP filesystem reports any failed HEAD and GET as FileNotFoundError, chaining
+        # the real cause (a 503, a refused connection).
+        return err.__cause__ is not None and _is_transient(err.__cause__)
+    if isinstance(err, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    if isinstance(err, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    # Only a loaded aiohttp can have raised its errors; looking it up never imports it.
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(err, aiohttp.ClientError):
+        if isinstance(err, aiohttp.ClientResponseError):
+            return err.status >= 500 or err.status in (408, 429)
+        return True  # connection refused or reset, payload cut short, server disconnected
+    if isinstance(err, OSError):
+        return err.errno in _TRANSIENT_ERRNOS
+    return False
+
+
+def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
+    attempt = 1
+    while True:
+        try:
+            return fn()
+        except Exception as err:
+            if not _is_transient(err):
+                raise
+            if attempt >= _ATTEMPTS:
+                raise DistkitError(
+                    scrub.text(
+                        f"{_label()} {what} failed after {_ATTEMPTS} attempts: "
+                        f"{coordination._type_name(err)}: {err}. Check that the source is reachable "
+                        f"from this machine, then run again."
+                    )
+                ) from err
+            delay = _RETRY_BASE_S * 2 ** (attempt - 1)
+            _log().warning(
+                "%s",
+                scrub.text(
+                    f"{what} failed ({coordination._type_name(err)}: {err}); retrying in {delay:g} s "
+                    f"(attempt {attempt + 1} of {_ATTEMPTS})"
+                ),
+            )
+            time.sleep(delay)
+            attempt += 1
