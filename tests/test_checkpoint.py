@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import pathlib
 import random
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 import warnings
 import zlib
@@ -677,6 +679,68 @@ def test_loading_a_path_that_does_not_exist_says_not_found(tmp_path, memory_root
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointCorruptError, match=r"no manifest\.json"):
         distkit.load_checkpoint(tmp_path / "empty")
+
+
+def test_credentials_in_a_checkpoint_url_reach_no_error_warning_or_log_record(caplog) -> None:
+    # fsspec's memory filesystem keeps the whole URL as its path, so the credentials go through every
+    # call it gets and every debug line it logs, as they would through an object store's client.
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    root = f"memory://user:s3cr3tpass@{bucket}/run?sig=abcdef123"
+    secrets = ("s3cr3tpass", "abcdef123")
+    fs = fsspec.filesystem("memory")
+    shown: list[str] = []  # everything the calls below showed: errors, warnings, log records
+    fsspec_records = 0
+
+    def outcome(call) -> BaseException | None:
+        nonlocal fsspec_records
+        caplog.clear()  # only what distkit's call logs, not this test's own use of fs
+        error = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                call()
+            except Exception as err:
+                error = err
+                shown.append("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+                shown.append(repr(vars(err)))
+        shown.extend(str(warning.message) for warning in caught)
+        shown.extend(f"{record.getMessage()} {record.exc_text or ''}" for record in caplog.records)
+        fsspec_records += sum(record.name.startswith("fsspec") for record in caplog.records)
+        return error
+
+    caplog.set_level(logging.DEBUG)
+    first = distkit.CheckpointManager(root)
+    second = distkit.CheckpointManager(root)
+    try:
+        missing = outcome(lambda: distkit.load_checkpoint(f"{root}/nowhere"))
+        assert isinstance(missing, FileNotFoundError)
+        assert f"checkpoint not found: memory://***@{bucket}/run?sig=***" in str(missing)
+        assert outcome(lambda: first.save(1, {"w": torch.ones(4)})) is None
+        assert outcome(lambda: first.save(2, {"w": torch.ones(4)})) is None
+        fs.pipe_file(f"{root}/step_000000002/state.pt", b"\0" * fs.size(f"{root}/step_000000002/state.pt"))
+        assert outcome(first.latest) is None  # falls back to step 1, warning about step 2
+        assert any("skipping corrupt checkpoint memory://***@" in text for text in shown)
+        corrupt = outcome(lambda: distkit.load_checkpoint(f"{root}/step_000000002"))
+        assert isinstance(corrupt, CheckpointCorruptError) and "CRC32" in str(corrupt)
+        fresh = outcome(lambda: distkit.CheckpointManager(root).save(3, {"w": torch.ones(4)}))
+        assert isinstance(fresh, distkit.CheckpointConflictError) and fresh.steps == [1, 2]
+        assert outcome(lambda: second.claim(resuming=True)) is None  # takes the lease over, warning
+        assert any("has a writer lease of" in text for text in shown)
+        taken_over = outcome(lambda: first.save(3, {"w": torch.ones(4)}))
+        assert isinstance(taken_over, distkit.CheckpointConflictError)
+        assert "another writer took over" in str(taken_over)
+        # A failure inside fsspec itself, whose message holds the path: state.pt is a directory there.
+        fs.makedirs(f"{root}/blocked/state.pt")
+        blocked = outcome(lambda: distkit.save_checkpoint(f"{root}/blocked", {"w": torch.ones(4)}))
+        assert isinstance(blocked, OSError) and "state.pt" in str(blocked)
+    finally:
+        first.close()
+        second.close()
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(f"/user:s3cr3tpass@{bucket}", recursive=True)
+    assert fsspec_records > 0  # fsspec's own log lines were seen, and scrubbed
+    leaks = [text for text in shown if any(secret in text for secret in secrets)]
+    assert not leaks, "\n---\n".join(leaks)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,56 +15,56 @@ directory is renamed into place with ``os.replace`` and its parent fsynced, so a
 half a checkpoint, even when the writer is killed. fsspec URLs: one put per object, the manifest last.
 Loads use ``torch.load(weights_only=True)`` only, and return nothing unless every checksum
 matches. See ``docs/checkpoints.md`` for the protocol and for how a resume picks its checkpoint.
+
+This module holds the public API and the policy (who writes, retention, claims, resumes); the parts
+below it are private, one concern each, and import only downwards: ``_checkpoint_errors`` (the two
+errors, defined low because every part raises them) <- ``_checkpoint_format`` (file names,
+serialization, the manifest) <- ``_checkpoint_files`` (local and fsspec storage, safe opening,
+verification) <- ``_checkpoint_lock`` (one writer per directory); ``_checkpoint_state`` converts
+live objects to a state and back.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import copy
-import errno
-import gc
 import hashlib
-import io
 import json
 import math
-import mmap
 import os
 import pickle
 import random
-import re
-import shutil
-import socket
-import stat
 import sys
-import tempfile
 import threading
 import time
 import traceback
-import uuid
 import warnings
 import weakref
-import zlib
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from distkit import runtime
-from distkit._fs import TEMP_MARKER, fsync_dir, temp_name
+from distkit._checkpoint_errors import CheckpointConflictError, CheckpointCorruptError, _label
+from distkit._checkpoint_files import _check_crc, _join, _read_manifest, _Storage, _storage_for, _verify
+from distkit._checkpoint_format import (
+    _LEFTOVER_RE,
+    _MANIFEST_FILE,
+    _OWN_FILES,
+    _STATE_FILE,
+    _STEP_RE,
+    _is_number,
+    _manifest_builder,
+    _run_beside,
+)
+from distkit._checkpoint_lock import _LocalWriterLock, _writer_lock_for
+from distkit._checkpoint_state import _check_loadable, _check_state, _collect, _restore, _to_cpu
+from distkit._secrets import redact_url
 from distkit.collectives import all_gather_object, broadcast_object
 from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
 from distkit.seeding import capture_rng_state, restore_rng_state
-
-try:  # POSIX; elsewhere the writer lock is off (with a warning), see _LocalWriterLock
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "DEFAULT_FILE_MODE",
@@ -85,903 +85,9 @@ DEFAULT_FILE_MODE = 0o600
 #: bandwidth, not by the peers: 30 minutes covers about 1 TB at 600 MB/s.
 DEFAULT_SAVE_TIMEOUT_S = 1800.0
 
-_STATE_FILE = "state.pt"
-_MANIFEST_FILE = "manifest.json"
-_OWN_FILES = frozenset({_STATE_FILE, _MANIFEST_FILE})
-_FORMAT = "distkit-checkpoint"
-_FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# Leftovers of a local save or delete that was killed: temporary names made by distkit._fs.temp_name.
-_LEFTOVER_RE = re.compile(r"^\.step_(\d+)" + re.escape(TEMP_MARKER) + "-")
-# Chunks smaller than this (zip headers, alignment padding, small tensors) are gathered into writes
-# of about _COALESCE_BYTES; larger ones go straight through.
-_PARALLEL_BYTES = 1 << 16
-_COALESCE_BYTES = 1 << 20
-_READ_CHUNK = 8 << 20
-# A manifest is about 1 KB (a few thousand metrics or keys stay far below this); a bigger file is not
-# one, and reading it whole would only cost memory.
-_MAX_MANIFEST_BYTES = 16 << 20
-# The writer lock of a local directory sits beside it: `<directory>.distkit-lock`.
-_LOCK_SUFFIX = ".distkit-lock"
-# The writer lease of an object-store directory sits inside it (a bucket root has no "beside").
-_LEASE_FILE = ".distkit-writer.json"
-
-# Exact types torch.load(weights_only=True) rebuilds without help (see torch._weights_only_unpickler):
-# a subclass (a namedtuple, a numpy scalar, a defaultdict) is refused at load time.
-_PLAIN_LEAVES = frozenset(
-    {
-        int,
-        float,
-        complex,
-        bool,
-        str,
-        bytes,
-        bytearray,
-        type(None),
-        torch.Size,
-        torch.dtype,
-        torch.device,
-        torch.layout,
-    }
-)
-_PLAIN_CONTAINERS = frozenset({dict, OrderedDict, Counter, list, tuple, set})
-_PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
-
-_T = TypeVar("_T")
-_U = TypeVar("_U")
-
-
-class CheckpointCorruptError(DistkitError):
-    """A checkpoint is incomplete or its files do not match their manifest.
-
-    Attributes:
-        path: The checkpoint directory.
-        reason: What is wrong, e.g. ``"state.pt is 10 bytes, the manifest says 2048"``.
-    """
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(
-            f"checkpoint {path} is not usable: {reason}. Load an earlier checkpoint "
-            f"(CheckpointManager.latest() skips such ones) or save this one again."
-        )
-        self.path = path
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.path, self.reason)
-
-
-class CheckpointConflictError(DistkitError):
-    """Writing into a checkpoint directory was refused, so that no run destroys another.
-
-    Raised on every rank by :meth:`CheckpointManager.claim` (and so by the first ``save()`` or
-    ``restore()``) when another writer holds the directory's lock, or when the directory already
-    holds committed checkpoints that this manager neither resumed from nor was told to overwrite;
-    on object stores also by a ``save()`` after another writer took the directory over.
-
-    Attributes:
-        directory: The checkpoint directory.
-        reason: What conflicts, without the ``[rank R/W]`` prefix.
-        holder: The other writer (``host``, ``pid``, ``since``, ``job``) when one was named, else
-            ``None``.
-        steps: The committed steps found in the directory (for a fresh run's refusal), else ``[]``.
-
-    Example:
-        >>> try:  # doctest: +SKIP
-        ...     manager.save(0, state)
-        ... except distkit.CheckpointConflictError as err:
-        ...     print(err.directory, err.steps, err.holder)
-    """
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        directory: str,
-        holder: Mapping[str, Any] | None = None,
-        steps: list[int] | None = None,
-        label: str = "",
-    ) -> None:
-        super().__init__(f"{label} {reason}" if label else reason)
-        self.reason = reason
-        self.directory = directory
-        self.holder = None if holder is None else dict(holder)
-        self.steps = list(steps or [])
-        self._label = label
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_conflict, (self.reason, self.directory, self.holder, self.steps, self._label)
-
-
-def _rebuild_conflict(
-    reason: str, directory: str, holder: dict[str, Any] | None, steps: list[int], label: str
-) -> CheckpointConflictError:
-    return CheckpointConflictError(reason, directory=directory, holder=holder, steps=steps, label=label)
-
-
-# --------------------------------------------------------------------------------------------------
-# Where checkpoints live: a local directory or an fsspec URL.
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
-
-
-def _dir_mode(file_mode: int) -> int:
-    # Directories need the execute bit wherever their files are readable.
-    return file_mode | ((file_mode & 0o444) >> 2)
-
-
-# Opening the files a checkpoint lists: never follow a symlink, never block on a FIFO.
-
-
-def _kind_of(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _not_regular(checkpoint: str, file: str, mode: int) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        checkpoint,
-        f"{file} is {_kind_of(mode)}, not a regular file; distkit refused to open it (a checkpoint "
-        f"holds regular files only, and opening a FIFO or a device can block forever or have side "
-        f"effects)",
-    )
-
-
-_SAFE_OPEN_FLAGS = (
-    os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-)
-
-
-def _open_regular(checkpoint: str, file: str) -> int:
-    """A read-only descriptor of ``file``; anything but a regular file is refused without being opened.
-
-    ``lstat`` first refuses a FIFO, device, socket or symlink unopened; ``O_NOFOLLOW`` and
-    ``O_NONBLOCK`` cover a name swapped after the ``lstat`` (opening a FIFO without ``O_NONBLOCK``
-    waits for a writer forever); ``fstat`` then checks what was actually opened.
-    """
-    mode = os.lstat(file).st_mode
-    if not stat.S_ISREG(mode):
-        raise _not_regular(checkpoint, file, mode)
-    try:
-        fd = os.open(file, _SAFE_OPEN_FLAGS)
-    except OSError as err:
-        if err.errno == errno.ELOOP:  # replaced by a symlink since the lstat
-            raise _not_regular(checkpoint, file, stat.S_IFLNK) from err
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(checkpoint, file, mode)
-        if fcntl is not None and _SAFE_OPEN_FLAGS & getattr(os, "O_NONBLOCK", 0):
-            # Linux ignores O_NONBLOCK on regular files, a network or FUSE filesystem may not.
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-# Why a write failed, said so that the reader knows what to do (keyed by errno name).
-_WRITE_HINTS = {
-    "ENOSPC": "free space on that filesystem or save to another directory",
-    "EDQUOT": "your disk quota there is used up: free space or save to another directory",
-    "EFBIG": (
-        "the file outgrew a file-size limit (`ulimit -f`, or the filesystem's largest file): raise "
-        "the limit or save to another filesystem"
-    ),
-    "EROFS": "the filesystem is read-only: save to a writable directory",
-    "EACCES": "this user may not write there: fix the directory's permissions or save elsewhere",
-    "EPERM": "this user may not write there: fix the directory's permissions or save elsewhere",
-    "EIO": "the storage reported an I/O error (a failing disk or network filesystem): check it",
-    "ENOTDIR": "a component of the path is a file, not a directory: choose another directory",
-    "EEXIST": "a file stands where a directory is needed: choose another directory",
-    "ENAMETOOLONG": "the path is too long: choose a shorter directory",
-    "EMFILE": "this process has too many open files: raise `ulimit -n`",
-}
-
-
-def _write_error(err: OSError, checkpoint: str, where: str, *, untouched: str) -> OSError:
-    """``err`` restated with its errno name, the checkpoint, the path being written and a fix.
-
-    The result has the same errno, hence the same ``OSError`` subclass (``FileExistsError``, ...).
-    Errors without an errno (some object-store clients) are returned as they are.
-    """
-    code = err.errno
-    name = errno.errorcode.get(code) if isinstance(code, int) else None
-    if name is None:
-        return err
-    hint = _WRITE_HINTS.get(name, "check the storage that holds it")
-    return OSError(
-        code,
-        f"{name} ({err.strerror or os.strerror(code)}) while writing checkpoint {checkpoint}, at "
-        f"{where}; nothing was committed and {untouched}. Fix: {hint}.",
-    )
-
-
-class _LocalStorage:
-    """Local directories: the commit is an ``os.replace`` of a fully written, fsynced directory."""
-
-    def listing(self, directory: str) -> dict[str, set[str]]:
-        # name of each entry of `directory` -> the names of the files it holds
-        try:
-            names = os.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        out: dict[str, set[str]] = {}
-        for name in names:
-            try:
-                out[name] = set(os.listdir(os.path.join(directory, name)))
-            except (NotADirectoryError, FileNotFoundError):
-                continue
-        return out
-
-    def contents(self, path: str) -> set[str] | None:
-        try:
-            return set(os.listdir(path))
-        except FileNotFoundError:
-            return None
-
-    def kind(self, path: str) -> str | None:
-        """``"dir"``, ``"file"`` or ``None`` (nothing there); follows a symlinked checkpoint directory."""
-        try:
-            mode = os.stat(path).st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return "dir" if stat.S_ISDIR(mode) else "file"
-
-    def read_manifest(self, path: str) -> bytes | None:
-        file = os.path.join(path, _MANIFEST_FILE)
-        try:
-            fd = _open_regular(path, file)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            data = os.read(fd, _MAX_MANIFEST_BYTES + 1)
-            while len(data) <= _MAX_MANIFEST_BYTES and (
-                more := os.read(fd, _MAX_MANIFEST_BYTES + 1 - len(data))
-            ):
-                data += more
-        finally:
-            os.close(fd)
-        if len(data) > _MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(
-                path, f"{file} is over {_MAX_MANIFEST_BYTES} bytes, too big for a manifest"
-            )
-        return data
-
-    def size(self, checkpoint: str, file: str) -> int | None:
-        try:
-            info = os.lstat(file)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if not stat.S_ISREG(info.st_mode):
-            raise _not_regular(checkpoint, file, info.st_mode)
-        return info.st_size
-
-    def crc32(self, checkpoint: str, file: str) -> int:
-        fd = _open_regular(checkpoint, file)
-        try:
-            return _crc32_of_fd(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-
-    def open_state(self, path: str, files: Mapping[str, Any]) -> tuple[Any, Callable[[], dict[str, int]]]:
-        # torch.load reads through a descriptor opened like every other checkpoint file (no symlink,
-        # no FIFO); torch.load(path) would open the name itself, which can block on a FIFO. The
-        # checksums read the files again, from the page cache: only a rewrite in place could make
-        # them see different bytes, and distkit never rewrites a checkpoint in place (a new save
-        # replaces the whole directory).
-        handle = os.fdopen(_open_regular(path, os.path.join(path, _STATE_FILE)), "rb")
-        return handle, lambda: {n: self.crc32(path, os.path.join(path, n)) for n in files}
-
-    def write_checkpoint(
-        self,
-        target: str,
-        payload: Mapping[str, Any],
-        manifest: Callable[[dict[str, Any]], bytes],
-        mode: int,
-        guard: Callable[[], None] | None = None,
-    ) -> None:
-        del guard  # the local writer lock is held by the kernel for as long as its owner lives
-        target = os.path.abspath(target)
-        if os.path.lexists(target) and not os.path.isdir(target):
-            raise FileExistsError(
-                f"{target} exists and is a file, not a checkpoint directory; choose another path."
-            )
-        _check_replaceable(target, self.contents(target))
-        parent = os.path.dirname(target)
-        untouched = "the checkpoints saved before are untouched"
-        try:
-            os.makedirs(parent, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=temp_name(Path(target)), dir=parent)
-        except OSError as err:
-            raise _write_error(err, target, parent, untouched=untouched) from err
-        try:
-            where = os.path.join(staging, _STATE_FILE)
-            info = self._write_state(where, mode, payload)
-            where = os.path.join(staging, _MANIFEST_FILE)
-            self._write_manifest(where, mode, manifest(info))
-            where = staging
-            os.chmod(staging, _dir_mode(mode))
-            fsync_dir(staging)
-            where = target
-            self._move_into_place(staging, target)
-        except BaseException as err:
-            shutil.rmtree(staging, ignore_errors=True)
-            if isinstance(err, OSError):
-                explained = _write_error(err, target, where, untouched=untouched)
-                if explained is not err:
-                    raise explained from err
-            raise
-
-    @staticmethod
-    def _write_state(path: str, mode: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            size = _serialize(payload, lambda data: _write_all(fd, data), checksum=False)["size"]
-            # fsync waits for the disk and leaves this process's CPU idle: the checksum is computed
-            # meanwhile, from the page cache through a memory map, instead of slowing every write
-            # down (measured here: 0.86 of a plain write's throughput, against 0.57 for a CRC
-            # beside each write on a loaded machine).
-            crc, _ = _run_beside(lambda: _crc32_of_fd(fd, size), lambda: os.fsync(fd))
-            os.fchmod(fd, mode)  # after the data: a read-only mode must not stop our own writes
-        finally:
-            os.close(fd)
-        return {"size": size, "crc32": f"{crc:08x}"}
-
-    @staticmethod
-    def _write_manifest(path: str, mode: int, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _move_into_place(staging: str, target: str) -> None:
-        parent = os.path.dirname(target)
-        if not os.path.lexists(target):
-            os.replace(staging, target)
-            fsync_dir(parent)
-            return
-        # A directory cannot replace a non-empty one in one rename: move the old one aside first. A
-        # crash between the two renames leaves the old checkpoint under a temporary name, never a
-        # half-written one under the real name; a failed second rename puts the old one back.
-        retired = os.path.join(parent, temp_name(Path(target)) + "old-" + uuid.uuid4().hex[:8])
-        os.replace(target, retired)
-        try:
-            os.replace(staging, target)
-        except BaseException:
-            os.replace(retired, target)
-            raise
-        fsync_dir(parent)
-        shutil.rmtree(retired, ignore_errors=True)
-
-    def remove(self, path: str) -> None:
-        # Renaming first un-commits the checkpoint atomically; a kill during the deletion that
-        # follows leaves a leftover that the next retention pass removes.
-        name = os.path.basename(path)
-        if _STEP_RE.match(name):
-            retired = os.path.join(
-                os.path.dirname(path), temp_name(Path(path)) + "del-" + uuid.uuid4().hex[:8]
-            )
-            os.replace(path, retired)
-            fsync_dir(os.path.dirname(path))
-            path = retired
-        _purge(path)
-
-
-def _purge(path: str) -> None:
-    """Delete what is left of a checkpoint that is no longer committed."""
-    shutil.rmtree(path)
-
-
-class _RemoteStorage:
-    """fsspec filesystems (object stores): one put per object, the manifest put last."""
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-
-    def listing(self, directory: str) -> dict[str, set[str]]:
-        root = self.fs._strip_protocol(directory).rstrip("/")
-        out: dict[str, set[str]] = {}
-        try:
-            # withdirs: a sub-directory of a step directory shows up as a name too, so retention
-            # sees everything that a recursive delete would remove.
-            found = self.fs.find(directory, maxdepth=2, withdirs=True)
-        except FileNotFoundError:
-            return {}
-        for item in found:
-            relative = self.fs._strip_protocol(item)[len(root) :].strip("/")
-            parts = relative.split("/")
-            if len(parts) == 2:
-                out.setdefault(parts[0], set()).add(parts[1])
-        return out
-
-    def contents(self, path: str) -> set[str] | None:
-        try:
-            return {name.rstrip("/").rpartition("/")[2] for name in self.fs.ls(path, detail=False)}
-        except FileNotFoundError:
-            return None
-
-    def kind(self, path: str) -> str | None:
-        try:
-            if self.fs.isdir(path):
-                return "dir"
-            return "file" if self.fs.exists(path) else None
-        except FileNotFoundError:
-            return None
-
-    def read_manifest(self, path: str) -> bytes | None:
-        try:
-            return bytes(self.fs.cat_file(_join(path, _MANIFEST_FILE)))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def size(self, checkpoint: str, file: str) -> int | None:
-        del checkpoint  # object stores hold objects only: no FIFO, device or symlink to refuse
-        try:
-            return int(self.fs.size(file))
-        except FileNotFoundError:
-            return None
-
-    def crc32(self, checkpoint: str, file: str) -> int:
-        del checkpoint
-        crc = 0
-        with self.fs.open(file, "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        return crc
-
-    def open_state(self, path: str, files: Mapping[str, Any]) -> tuple[Any, Callable[[], dict[str, int]]]:
-        # One download: the bytes that are checked are the bytes that are loaded.
-        contents = {name: bytes(self.fs.cat_file(_join(path, name))) for name in files}
-        return io.BytesIO(contents[_STATE_FILE]), lambda: {
-            n: zlib.crc32(data) for n, data in contents.items()
-        }
-
-    def write_checkpoint(
-        self,
-        target: str,
-        payload: Mapping[str, Any],
-        manifest: Callable[[dict[str, Any]], bytes],
-        mode: int,
-        guard: Callable[[], None] | None = None,
-    ) -> None:
-        del mode  # object stores have no POSIX permission bits; access is the bucket's policy
-        _check_replaceable(target, self.contents(target))
-        manifest_path = _join(target, _MANIFEST_FILE)
-        where = manifest_path
-        try:
-            if guard is not None:
-                guard()  # before un-committing anything: is this directory still ours?
-            if self.fs.exists(manifest_path):
-                self.fs.rm_file(manifest_path)  # un-commit before overwriting the state
-            where = _join(target, _STATE_FILE)
-            with self.fs.open(where, "wb") as f:
-                info = _serialize(payload, f.write, checksum=True)
-            where = manifest_path
-            if guard is not None:
-                guard()  # and again right before the commit, which a writer taken over must not make
-            self.fs.pipe_file(manifest_path, manifest(info))
-        except OSError as err:
-            explained = _write_error(err, target, where, untouched="the other checkpoints are untouched")
-            if explained is not err:
-                raise explained from err
-            raise
-
-    def remove(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(_join(path, _MANIFEST_FILE))  # un-commit first
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
-
-
-_Storage = _LocalStorage | _RemoteStorage
-
-
-def _storage_for(path: str | os.PathLike[str]) -> tuple[_Storage, str]:
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    if "://" not in text:
-        return _LocalStorage(), text
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(text)
-    return _RemoteStorage(fs), text.rstrip("/")
-
-
-def _check_replaceable(target: str, contents: set[str] | None) -> None:
-    # Saving over an existing path must never delete someone's unrelated files.
-    if contents is None:
-        return
-    foreign = sorted(contents - _OWN_FILES)
-    if foreign:
-        raise FileExistsError(
-            f"{target} already exists and holds files that are not part of a distkit checkpoint "
-            f"({foreign[:5]}); refusing to replace it. Choose a new path for the checkpoint."
-        )
-
-
-def _crc32_of_fd(fd: int, size: int) -> int:
-    if size == 0:
-        return zlib.crc32(b"")
-    try:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as view:
-            return zlib.crc32(view)
-    except (OSError, ValueError, OverflowError):  # no mmap here (or no address space): read it
-        crc = 0
-        for offset in range(0, size, _READ_CHUNK):
-            crc = zlib.crc32(os.pread(fd, min(_READ_CHUNK, size - offset), offset), crc)
-        return crc
-
-
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-# --------------------------------------------------------------------------------------------------
-# Serialization: torch.save into a sink that checksums on the way.
-
-
-def _run_beside(background: Callable[[], _T], foreground: Callable[[], _U]) -> tuple[_T, _U]:
-    """Run ``background`` on a helper thread while ``foreground`` runs here; return both results.
-
-    Both callables release the GIL for their heavy part (zlib, file I/O), so on a machine with a free
-    core they overlap. A plain thread rather than an executor: executors refuse new work once the
-    interpreter starts to exit, which is exactly when an async save may still be writing. Where no
-    thread can be started at all, the two simply run one after the other.
-    """
-    box: list[Any] = []
-
-    def target() -> None:
-        try:
-            box.append((True, background()))
-        except BaseException as err:
-            box.append((False, err))
-
-    helper = threading.Thread(target=target, name="distkit-checkpoint-helper", daemon=True)
-    try:
-        helper.start()
-        started = True
-    except RuntimeError:  # "can't create new thread at interpreter shutdown"
-        target()
-        started = False
-    try:
-        result = foreground()
-    finally:
-        if started:
-            helper.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value, result
-
-
-class _ChecksumWriter:
-    """The file object ``torch.save`` writes into: passes bytes on to ``write``.
-
-    Small chunks (zip headers, alignment padding, small tensors) are gathered first to save system
-    calls. With ``checksum=True`` (object stores, where there is no fsync to hide it behind) it
-    keeps a CRC32, computing it for large chunks on a helper thread while they are written.
-
-    A failed write is kept in ``error``: torch.save's C++ writer swallows the exception of a Python
-    sink and reports only "unexpected pos ..." (a full disk would read as a torch bug), so
-    :func:`_serialize` raises this one instead.
-    """
-
-    def __init__(self, write: Callable[[Any], Any], *, checksum: bool) -> None:
-        self._write = write
-        self._checksum = checksum
-        self._pending = bytearray()
-        self.crc = 0
-        self.size = 0
-        self.error: BaseException | None = None
-
-    def _send(self, data: Any) -> None:
-        try:
-            self._write(data)
-        except BaseException as err:
-            self.error = err
-            raise
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        self.size += n
-        if n < _PARALLEL_BYTES:
-            self._pending += view
-            if len(self._pending) >= _COALESCE_BYTES:
-                self.flush()
-            return n
-        self.flush()
-        if not self._checksum:
-            self._send(view)
-            return n
-        # The view points into the tensor's memory, valid until this call returns: both finish here.
-        crc = self.crc
-        self.crc, _ = _run_beside(lambda: zlib.crc32(view, crc), lambda: self._send(view))
-        return n
-
-    def flush(self) -> None:
-        if self._pending:
-            if self._checksum:
-                self.crc = zlib.crc32(self._pending, self.crc)
-            self._send(self._pending)
-            self._pending = bytearray()
-
-    def close(self) -> None:
-        self.flush()
-
-
-# torch.save computes a CRC32 of every zip record for the zip headers, which torch.load never checks;
-# the manifest's checksum covers the whole file, so that pass (120 ms of CPU for a 200 MB state
-# here) is turned off while distkit writes. The setting is process-wide and read when a writer is
-# created, so a torch.save that another thread starts meanwhile also writes zero CRCs (harmless to
-# torch.load); a reference count keeps overlapping distkit saves from restoring it too early.
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved = True
-
-
-@contextlib.contextmanager
-def _without_torch_crc() -> Iterator[None]:
-    global _crc_users, _crc_saved
-    from torch.utils.serialization import config
-
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = config.save.compute_crc32
-            config.save.compute_crc32 = False
-        _crc_users += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                config.save.compute_crc32 = _crc_saved
-
-
-def _serialize(payload: Mapping[str, Any], write: Callable[[Any], Any], *, checksum: bool) -> dict[str, Any]:
-    sink = _ChecksumWriter(write, checksum=checksum)
-    try:
-        with _without_torch_crc():
-            torch.save(dict(payload), sink)
-        sink.close()
-    except Exception:
-        if sink.error is not None:
-            # The real cause (ENOSPC, EFBIG, ...), not torch's "unexpected pos" that followed it.
-            raise sink.error from None
-        raise
-    return {"size": sink.size, "crc32": f"{sink.crc:08x}"}
-
-
-def _manifest_builder(
-    step: int | None, metrics: Mapping[str, float] | None, keys: list[str]
-) -> Callable[[dict[str, Any]], bytes]:
-    from distkit import __version__
-
-    def build(info: dict[str, Any]) -> bytes:
-        manifest = {
-            "format": _FORMAT,
-            "format_version": _FORMAT_VERSION,
-            "step": step,
-            "world_size": runtime.get_world_size(),
-            "torch_version": torch.__version__,
-            "distkit_version": __version__,
-            "created_unix": time.time(),
-            "keys": keys,
-            "metrics": dict(metrics or {}),
-            "files": {_STATE_FILE: info},
-        }
-        return json.dumps(manifest, indent=1).encode()
-
-    return build
-
-
-# --------------------------------------------------------------------------------------------------
-# From live objects to a state that torch.load(weights_only=True) can read back.
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The user's module inside DDP, DataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-            continue
-        # torch.compile's wrapper; if dynamo was never imported no module can be compiled.
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-            module = module._orig_mod
-            continue
-        return module
-
-
-def _without_compile_segments(key: str) -> str:
-    # A compiled submodule (model.encoder = torch.compile(...)) puts "_orig_mod." inside the keys.
-    return ".".join(part for part in key.split(".") if part != "_orig_mod")
-
-
-def _module_state(module: nn.Module) -> dict[str, Any]:
-    state = _unwrap(module).state_dict()
-    if not any("_orig_mod" in key for key in state):
-        return state
-    clean: OrderedDict[str, Any] = OrderedDict(
-        (_without_compile_segments(key), value) for key, value in state.items()
-    )
-    metadata = getattr(state, "_metadata", None)
-    if metadata is not None:
-        clean_meta: OrderedDict[str, Any] = OrderedDict()
-        for prefix, value in metadata.items():
-            clean_meta.setdefault(_without_compile_segments(prefix), value)
-        clean._metadata = clean_meta  # type: ignore[attr-defined]
-    return clean
-
-
-def _check_state(state: Any) -> None:
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"state must be a mapping of names to objects, e.g. {{'model': model}}, "
-            f"got {type(state).__name__}."
-        )
-    for key in state:
-        if not isinstance(key, str):
-            raise TypeError(f"state keys must be strings, got {key!r}.")
-
-
-def _collect(state: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, nn.Module):
-            out[key] = _module_state(value)
-        elif callable(getattr(value, "state_dict", None)):
-            out[key] = value.state_dict()
-        else:
-            out[key] = value
-    return out
-
-
-def _safe_types() -> set[type]:
-    extra = set()
-    for entry in torch.serialization.get_safe_globals():
-        obj = entry[0] if isinstance(entry, tuple) else entry
-        if isinstance(obj, type):
-            extra.add(obj)
-    return extra
-
-
-def _check_loadable(payload: Mapping[str, Any]) -> None:
-    """Refuse, before writing, a state that ``torch.load(weights_only=True)`` would refuse later."""
-    allowed: set[type] | None = None
-    stack: list[tuple[Any, str]] = [(value, f"[{key!r}]") for key, value in payload.items()]
-    seen: set[int] = set()
-    while stack:
-        obj, where = stack.pop()
-        kind = type(obj)
-        if kind in _PLAIN_LEAVES or kind in _PLAIN_TENSORS:
-            continue
-        if kind in _PLAIN_CONTAINERS:
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, dict):
-                stack.extend((k, f"{where} key {k!r}") for k in obj)
-                stack.extend((v, f"{where}[{k!r}]") for k, v in obj.items())
-                if getattr(obj, "__dict__", None):
-                    stack.extend((v, f"{where}.{a}") for a, v in vars(obj).items())
-            else:
-                stack.extend((v, f"{where}[{i}]") for i, v in enumerate(obj))
-            continue
-        if allowed is None:
-            allowed = _safe_types()
-        if kind in allowed:
-            continue
-        name = f"{kind.__module__}.{kind.__qualname__}"
-        raise TypeError(
-            f"state{where} is a {name}, which torch.load(weights_only=True) refuses to load, so "
-            f"this checkpoint could never be restored. Store tensors, numbers, strings and "
-            f"lists/dicts of them instead (torch.from_numpy() for arrays, .item() for numpy "
-            f"scalars), give the object state_dict()/load_state_dict(), or allow the type with "
-            f"torch.serialization.add_safe_globals([{kind.__qualname__}])."
-        )
-
-
-def _copy_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    if storage.device.type == "cpu":
-        return storage.clone()
-    if storage.device.type != "cuda":
-        return storage.cpu()
-    # Pinned host memory lets the device copies overlap; _to_cpu synchronizes once at the end.
-    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
-    host.copy_(storage, non_blocking=True)
-    return host
-
-
-def _to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` in CPU memory that pickles to the same bytes as ``obj`` itself.
-
-    Tensors that share a storage keep sharing one copy, containers referenced twice stay one
-    object, and immutable leaves are the same objects: ``torch.save`` output depends on all three.
-    """
-    storages: dict[int, torch.UntypedStorage] = {}
-    memo: dict[int, Any] = {}
-    devices: set[torch.device] = set()
-
-    def tensor(t: torch.Tensor) -> torch.Tensor:
-        if t.is_meta:
-            return t.detach()  # no data to copy
-        if t.layout != torch.strided or type(t) not in _PLAIN_TENSORS or t.is_quantized or t.is_conj():
-            # Rare in state dicts; a plain copy is right, only its bytes may differ from a sync save.
-            return t.detach().to("cpu", copy=True)
-        source = t.untyped_storage()
-        key = source._cdata
-        if key not in storages:
-            if source.device.type == "cuda":
-                devices.add(source.device)
-            storages[key] = _copy_storage(source)
-        out = torch.empty(0, dtype=t.dtype).set_(storages[key], t.storage_offset(), t.size(), t.stride())
-        if isinstance(t, nn.Parameter):
-            return nn.Parameter(out, requires_grad=t.requires_grad)
-        return out.requires_grad_(t.requires_grad)
-
-    def walk(value: Any) -> Any:
-        kind = type(value)
-        if kind in _PLAIN_LEAVES and kind is not bytearray:
-            return value
-        if id(value) in memo:
-            return memo[id(value)]
-        if isinstance(value, torch.Tensor):
-            result: Any = tensor(value)
-        elif kind in (dict, OrderedDict, Counter):
-            result = kind()
-            memo[id(value)] = result
-            for k, v in value.items():
-                result[k] = walk(v)
-            for attr, v in getattr(value, "__dict__", {}).items():  # a module state dict's _metadata
-                setattr(result, attr, copy.deepcopy(v))
-        elif kind is list:
-            result = []
-            memo[id(value)] = result
-            result.extend(walk(v) for v in value)
-        elif kind is tuple:
-            result = tuple(walk(v) for v in value)
-        elif kind is set:
-            result = {walk(v) for v in value}
-        else:
-            result = copy.deepcopy(value)
-        memo[id(value)] = result
-        return result
-
-    copied = walk(obj)
-    for device in devices:
-        torch.cuda.synchronize(device)
-    return copied
-
 
 # --------------------------------------------------------------------------------------------------
 # Rank 0 writes; the other ranks learn the outcome through the job's key-value store.
-
-
-def _label() -> str:
-    return f"[rank {runtime.get_rank()}/{runtime.get_world_size()}]"
 
 
 class _Handshake:
@@ -1157,6 +263,7 @@ def save_checkpoint(
         file_mode=file_mode,
         timeout_s=timeout_s,
         guard=None,
+        storage=None,
     )
 
 
@@ -1170,12 +277,14 @@ def _save_checkpoint(
     file_mode: int,
     timeout_s: float | None,
     guard: Callable[[], None] | None,
+    storage: _Storage | None,
 ) -> str:
     """:func:`save_checkpoint`, with ``guard`` called by rank 0 before it changes or commits anything
-    (a :class:`CheckpointManager`'s writer-lease check)."""
+    (a :class:`CheckpointManager`'s writer-lease check), into ``storage`` when it is given (the
+    manager's own, so that its scrubber is built once, not at every save)."""
     _check_file_mode(file_mode)
     _check_state(state)
-    storage, target = _storage_for(path)
+    storage, target = _storage_for(path) if storage is None else (storage, os.fspath(path))
     metrics_json = _metrics_for_manifest(metrics)
     wait_s = _resolve_timeout(timeout_s)
     multi = runtime.get_world_size() > 1
@@ -1184,7 +293,7 @@ def _save_checkpoint(
             "a ResumeState gathers every rank's RNG state, so save_checkpoint() must run on every "
             "rank with collective=True when the state holds one."
         )
-    handshake = _Handshake(f"checkpoint {target}", wait_s) if multi and collective else None
+    handshake = _Handshake(f"checkpoint {redact_url(target)}", wait_s) if multi and collective else None
     if handshake is not None and runtime.get_rank() != 0:
         _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
         handshake.settle_other()
@@ -1224,160 +333,6 @@ def _metrics_for_manifest(metrics: Mapping[str, Any] | None) -> dict[str, float]
 # Reading back: verify, then load with weights_only=True, then restore into live objects.
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_plain_name(name: Any) -> bool:
-    # A file listed in a manifest sits in the checkpoint directory itself: no path, no "..".
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-
-
-def _is_file_entry(info: Any) -> bool:
-    return (
-        isinstance(info, dict)
-        and _is_int(info.get("size"))
-        and info["size"] >= 0
-        and isinstance(info.get("crc32"), str)
-        and re.fullmatch(r"[0-9a-f]{8}", info["crc32"]) is not None
-    )
-
-
-# Every field of a format-1 manifest: (name, required, check, what is expected). distkit reads the
-# required ones; the others describe the checkpoint and are checked when present, since a value of
-# the wrong type means the file is not what distkit wrote.
-_MANIFEST_FIELDS: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
-    ("step", True, lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 or null"),
-    (
-        "files",
-        True,
-        lambda v: (
-            isinstance(v, dict)
-            and _STATE_FILE in v
-            and all(_is_plain_name(k) and _is_file_entry(i) for k, i in v.items())
-        ),
-        f'an object naming {_STATE_FILE} and other plain file names, each {{"size": <int >= 0>, '
-        f'"crc32": <8 hex digits>}}',
-    ),
-    (
-        "metrics",
-        False,
-        lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
-        "an object of numbers",
-    ),
-    (
-        "keys",
-        False,
-        lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
-        "a list of strings",
-    ),
-    ("world_size", False, lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    ("torch_version", False, lambda v: isinstance(v, str), "a string"),
-    ("distkit_version", False, lambda v: isinstance(v, str), "a string"),
-    ("created_unix", False, _is_number, "a number"),
-)
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
-    """The manifest in ``raw``, checked field by field; anything malformed is a CheckpointCorruptError."""
-
-    def malformed(why: str) -> CheckpointCorruptError:
-        return CheckpointCorruptError(path, f"its {_MANIFEST_FILE} {why}")
-
-    try:
-        manifest = json.loads(raw)
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        raise malformed(f"is not valid JSON ({err})") from err
-    if not isinstance(manifest, dict):
-        raise malformed(f"holds a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != _FORMAT:
-        raise malformed(
-            f"has format {_shown(manifest.get('format'))}, not {_FORMAT!r}: it is not a distkit manifest"
-        )
-    version = manifest.get("format_version")
-    if not _is_int(version) or version < 1:
-        raise malformed(f"has format_version {_shown(version)}; expected an integer >= 1")
-    if version > _FORMAT_VERSION:
-        from distkit import __version__
-
-        raise DistkitError(
-            f"checkpoint {path} has format_version {version} (its {_MANIFEST_FILE} says so), but this "
-            f"distkit ({__version__}) reads format_version {_FORMAT_VERSION} only: it was written by a "
-            f"newer distkit. Upgrade distkit (pip install -U distkit) to load it."
-        )
-    for name, required, check, expected in _MANIFEST_FIELDS:
-        if name not in manifest:
-            if required:
-                raise malformed(f"has no {name!r} field")
-            continue
-        if not check(manifest[name]):
-            raise malformed(f"has {name} {_shown(manifest[name])}; expected {expected}")
-    return manifest
-
-
-def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
-    raw = storage.read_manifest(path)
-    if raw is not None:
-        return _parse_manifest(path, raw)
-    kind = storage.kind(path)
-    if kind is None:
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"checkpoint not found: {path} does not exist. Check the path; "
-            f"CheckpointManager(directory).latest() gives the newest checkpoint of a directory",
-        )
-    if kind == "file":
-        raise NotADirectoryError(
-            errno.ENOTDIR,
-            f"{path} is a file, not a checkpoint directory: a distkit checkpoint is a directory "
-            f"holding {_STATE_FILE} and {_MANIFEST_FILE}. Pass that directory (a file written by "
-            f"torch.save loads with torch.load(path, weights_only=True))",
-        )
-    raise CheckpointCorruptError(path, f"it has no {_MANIFEST_FILE} (a save that did not finish)")
-
-
-def _verify(storage: _Storage, path: str, *, checksums: bool) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` once its files match it; sizes only if not ``checksums``.
-
-    Raises:
-        CheckpointCorruptError: The manifest is malformed, or a file is missing, not a regular file,
-            or does not match it.
-        DistkitError: The manifest has a newer format version.
-        FileNotFoundError: Nothing is at ``path``.
-    """
-    manifest = _read_manifest(storage, path)
-    for name, info in manifest["files"].items():
-        file = _join(path, name)
-        size = storage.size(path, file)
-        if size is None:
-            raise CheckpointCorruptError(path, f"{name} is missing")
-        if size != info["size"]:
-            raise CheckpointCorruptError(
-                path, f"{file} is {size} bytes, the manifest says {info['size']} (truncated or overwritten)"
-            )
-        if checksums:
-            _check_crc(path, name, info, storage.crc32(path, file))
-    return manifest
-
-
-def _check_crc(path: str, name: str, info: Mapping[str, Any], crc: int) -> None:
-    if f"{crc:08x}" != info["crc32"]:
-        raise CheckpointCorruptError(
-            path,
-            f"{_join(path, name)} has CRC32 {crc:08x}, the manifest says {info['crc32']} "
-            f"(the file is damaged)",
-        )
-
-
 def _map_location(map_location: Any) -> Any:
     return runtime.get_device() if isinstance(map_location, str) and map_location == "auto" else map_location
 
@@ -1406,7 +361,7 @@ def _load_verified(storage: _Storage, path: str, map_location: Any) -> tuple[dic
         lines = str(failure).splitlines()
         detail = next((line.strip() for line in lines if "GLOBAL" in line), lines[0] if lines else "")
         raise DistkitError(
-            f"refused to load {_join(path, _STATE_FILE)}: it holds objects that torch.load("
+            f"refused to load {redact_url(_join(path, _STATE_FILE))}: it holds objects that torch.load("
             f"weights_only=True) does not allow ({detail}). distkit never unpickles arbitrary "
             f"objects, because unpickling can run code. If you made this file and trust it, allow "
             f"its types with torch.serialization.add_safe_globals([...])."
@@ -1416,76 +371,6 @@ def _load_verified(storage: _Storage, path: str, map_location: Any) -> tuple[dic
     if not isinstance(loaded, dict):
         raise CheckpointCorruptError(path, f"{_STATE_FILE} holds a {type(loaded).__name__}, not a dict")
     return loaded, manifest
-
-
-def _key_map(source: list[str], target: list[str]) -> dict[str, str]:
-    """Map keys saved with or without wrapper prefixes onto the target module's keys."""
-    if set(source) <= set(target):
-        return {}
-
-    def canonical(key: str) -> str:
-        key = _without_compile_segments(key)
-        while key.startswith("module."):
-            key = key[len("module.") :]
-        return "" if key == "module" else key
-
-    by_canonical: dict[str, str] = {}
-    for key in target:
-        if by_canonical.setdefault(canonical(key), key) != key:
-            return {}  # ambiguous: leave the keys as they are and let load_state_dict report them
-    return {key: by_canonical[canonical(key)] for key in source if canonical(key) in by_canonical}
-
-
-def _load_module(name: str, module: nn.Module, saved: Mapping[str, Any], strict: bool) -> None:
-    inner = _unwrap(module)
-    target_keys = list(inner.state_dict(keep_vars=True))
-    mapping = _key_map(list(saved), target_keys)
-    if mapping:
-        remapped: OrderedDict[str, Any] = OrderedDict((mapping.get(k, k), v) for k, v in saved.items())
-        metadata = getattr(saved, "_metadata", None)
-        if metadata is not None:
-            prefixes = _key_map(list(metadata), [n for n, _ in inner.named_modules()])
-            remapped._metadata = OrderedDict(  # type: ignore[attr-defined]
-                (prefixes.get(k, k), v) for k, v in metadata.items()
-            )
-        saved = remapped
-    try:
-        inner.load_state_dict(saved, strict=strict)
-    except RuntimeError as err:
-        raise DistkitError(f"could not restore state[{name!r}] into {type(inner).__name__}: {err}") from err
-
-
-def _restore(path: str, loaded: Mapping[str, Any], state: Mapping[str, Any], strict: bool) -> None:
-    missing = [key for key in state if key not in loaded]
-    if missing and strict:
-        raise DistkitError(
-            f"checkpoint {path} has no entries {missing}; it holds {sorted(loaded)}. Rename the keys "
-            f"of state to match, or pass strict=False to skip the missing ones."
-        )
-    if missing:
-        warnings.warn(
-            f"{_label()} checkpoint {path} has no entries {missing}; they were left as they are.",
-            stacklevel=3,
-        )
-    for key, target in list(state.items()):
-        if key not in loaded:
-            continue
-        value = loaded[key]
-        if isinstance(target, nn.Module):
-            _load_module(key, target, value, strict)
-        elif callable(getattr(target, "load_state_dict", None)):
-            target.load_state_dict(value)
-        elif isinstance(target, torch.Tensor):
-            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise DistkitError(
-                    f"state[{key!r}] is a tensor of shape {tuple(target.shape)} but the checkpoint "
-                    f"holds {shape}."
-                )
-            with torch.no_grad():
-                target.copy_(value)
-        elif isinstance(state, MutableMapping):
-            state[key] = value
 
 
 def load_checkpoint(
@@ -1650,254 +535,6 @@ def _reseed(saved: list[dict[str, Any]], rank: int, world_size: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# One writer per checkpoint directory: a kernel lock beside a local directory, a lease inside a remote one.
-
-
-def _job_of_this_process() -> str | None:
-    jobs = []
-    if slurm := os.environ.get("SLURM_JOB_ID"):
-        jobs.append(f"SLURM job {slurm}")
-    if run := os.environ.get("TORCHELASTIC_RUN_ID"):
-        jobs.append(f"torchelastic run {run}")
-    return ", ".join(jobs) or None
-
-
-def _holder_of_this_process(directory: str, owner: str | None = None) -> dict[str, Any]:
-    now = time.time()
-    holder: dict[str, Any] = {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now)),
-        "since_unix": now,
-        "directory": directory,
-    }
-    if job := _job_of_this_process():
-        holder["job"] = job
-    if owner is not None:
-        holder["owner"] = owner
-    return holder
-
-
-def _describe_holder(holder: Mapping[str, Any] | None) -> str:
-    if not holder:
-        return "a process that has not written its name yet (it took the lock a moment ago)"
-    text = (
-        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
-        f"writing since {holder.get('since', '?')}"
-    )
-    if holder.get("job"):
-        text += f" ({holder['job']})"
-    return text
-
-
-def _parse_holder(raw: bytes | None) -> dict[str, Any] | None:
-    try:
-        holder = json.loads(raw) if raw else None
-    except ValueError:
-        return None
-    return holder if isinstance(holder, dict) else None
-
-
-_unlocked_warned: set[str] = set()
-
-
-class _LocalWriterLock:
-    """An exclusive ``flock`` on ``<directory>.distkit-lock``, held while the manager writes there.
-
-    The kernel releases a ``flock`` when its holder dies, however it dies, so a SIGKILLed job never
-    leaves a stale lock. Each lock opens the file itself: ``flock`` locks belong to an open file
-    description, so two managers in one process conflict like two processes do. The holder writes
-    its host, pid, start time and job id into the file, for the error that refuses the next writer.
-    The file stays when released (deleting a lock file races with a process that just opened it).
-    """
-
-    def __init__(self, directory: str, file_mode: int) -> None:
-        self.directory = directory
-        self.path = os.path.normpath(os.path.abspath(directory)) + _LOCK_SUFFIX
-        self.file_mode = file_mode
-        self.fd: int | None = None
-        self.pid = os.getpid()  # the holder; a forked child inherits the descriptor, not the lock
-
-    def acquire(self) -> None:
-        """Take the lock, or raise :class:`CheckpointConflictError` naming its holder. Idempotent."""
-        if self.fd is not None:
-            return
-        for attempt in range(2):
-            fd = self._open()
-            if fd is None:
-                return  # no lock possible here; warned
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:
-                # EWOULDBLOCK is the usual answer to a held lock; some filesystems say EACCES.
-                held = err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-                holder = self._holder(fd) if held else None
-                os.close(fd)
-                if not held:
-                    self._warn_unlocked(f"flock failed: {err}")
-                    return
-                if attempt == 0 and holder and holder.get("pid") == os.getpid():
-                    # An unreachable manager of this process that the cycle collector has not freed
-                    # yet: collecting it releases its lock. A live one keeps holding it.
-                    gc.collect()
-                    continue
-                raise CheckpointConflictError(
-                    f"another writer holds the checkpoint directory {self.directory}: "
-                    f"{_describe_holder(holder)} (lock {self.path}). Two writers in one directory "
-                    f"delete each other's checkpoints. Stop that job, or write to another directory; "
-                    f"in one process, close() the other CheckpointManager first (or share one). The "
-                    f"lock is released when its holder exits or dies, even when killed (on NFS, once "
-                    f"the server notices a crashed client).",
-                    directory=self.directory,
-                    holder=holder,
-                    label=_label(),
-                ) from err
-            info = json.dumps(_holder_of_this_process(self.directory)).encode()
-            with contextlib.suppress(OSError):  # the name is for error messages only
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, info, 0)
-            self.fd, self.pid = fd, os.getpid()
-            return
-
-    def _open(self) -> int | None:
-        if fcntl is None:  # pragma: no cover - Windows
-            self._warn_unlocked("this platform has no flock")
-            return None
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-            return os.open(self.path, flags, self.file_mode)
-        except OSError as err:
-            self._warn_unlocked(f"cannot open {self.path}: {err}")
-            return None
-
-    def _holder(self, fd: int) -> dict[str, Any] | None:
-        # A holder writes its name right after taking the lock: wait a moment for it (at most 0.5 s).
-        for _ in range(25):
-            try:
-                holder = _parse_holder(os.pread(fd, 1 << 16, 0))
-            except OSError:
-                return None
-            if holder is not None:
-                return holder
-            time.sleep(0.02)
-        return None
-
-    def _warn_unlocked(self, why: str) -> None:
-        # Never a refusal: a filesystem without locks must not stop a job. Warned once per directory.
-        if self.path in _unlocked_warned:
-            return
-        _unlocked_warned.add(self.path)
-        warnings.warn(
-            f"{_label()} cannot lock the checkpoint directory {self.directory} ({why}); saving "
-            f"without the writer lock, so a second job writing there would not be detected.",
-            stacklevel=5,
-        )
-
-    def check(self) -> None:
-        """Nothing to check: the kernel holds the lock for as long as this process lives."""
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is None:
-            return
-        if os.getpid() != self.pid:
-            # A forked child (a DataLoader worker) dropping its copy of the manager: the lock is
-            # the parent's, since the two share the open file description. Close the copy only.
-            os.close(fd)
-            return
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-        # LOCK_UN releases the lock even if a forked child still shares the open file description.
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-class _RemoteWriterLease:
-    """A lease object ``<directory>/.distkit-writer.json`` naming the manager that writes there.
-
-    Object stores offer no lock that dies with its holder, and a writer cannot tell a live holder
-    from a dead one (a requeued job must never be refused because its killed predecessor left a
-    lease). So the newest writer takes the lease over, with a warning naming the previous one, and a
-    writer checks that the lease still names it before it un-commits anything and again before each
-    commit: a writer that was taken over stops with :class:`CheckpointConflictError` naming the new
-    one, instead of committing or deleting checkpoints in a directory that is no longer its own.
-    This detects two writers; it does not exclude them (a check and the put after it are not atomic).
-    """
-
-    def __init__(self, storage: _RemoteStorage, directory: str) -> None:
-        self.fs = storage.fs
-        self.directory = directory
-        self.path = _join(directory, _LEASE_FILE)
-        self.owner = uuid.uuid4().hex
-        self.held = False
-        self.pid = os.getpid()
-
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            return _parse_holder(bytes(self.fs.cat_file(self.path)))
-        except FileNotFoundError:
-            return None
-
-    def acquire(self) -> None:
-        if self.held:
-            return
-        previous = self._read()
-        if previous is not None:
-            warnings.warn(
-                f"{_label()} the checkpoint directory {self.directory} has a writer lease of "
-                f"{_describe_holder(previous)}; taking it over. An object store cannot tell a live "
-                f"writer from a dead one, so the newest writer wins: if that job still runs, its next "
-                f"save stops with CheckpointConflictError.",
-                stacklevel=5,
-            )
-        self.fs.pipe_file(self.path, json.dumps(_holder_of_this_process(self.directory, self.owner)).encode())
-        self.held, self.pid = True, os.getpid()
-
-    def check(self) -> None:
-        """Raise :class:`CheckpointConflictError` if another writer took the lease over."""
-        if not self.held:
-            return
-        current = self._read()
-        if current is None:
-            # Deleted by hand, not taken over (a new writer always writes one): hold it again.
-            self.fs.pipe_file(
-                self.path, json.dumps(_holder_of_this_process(self.directory, self.owner)).encode()
-            )
-            return
-        if current.get("owner") != self.owner:
-            raise CheckpointConflictError(
-                f"another writer took over the checkpoint directory {self.directory}: "
-                f"{_describe_holder(current)} (lease {self.path}). This manager stopped before "
-                f"committing, so it changes nothing there any more. Two writers in one directory "
-                f"delete each other's checkpoints: stop one job, or give each its own directory.",
-                directory=self.directory,
-                holder=current,
-                label=_label(),
-            )
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        if os.getpid() != self.pid:
-            return  # a forked child's copy: the lease is the parent's
-        with contextlib.suppress(Exception):  # best effort: also runs at interpreter exit
-            current = self._read()
-            if current is not None and current.get("owner") == self.owner:
-                self.fs.rm_file(self.path)
-
-
-def _writer_lock_for(
-    storage: _Storage, directory: str, file_mode: int
-) -> _LocalWriterLock | _RemoteWriterLease:
-    if isinstance(storage, _RemoteStorage):
-        return _RemoteWriterLease(storage, directory)
-    return _LocalWriterLock(directory, file_mode)
-
-
-# --------------------------------------------------------------------------------------------------
 # CheckpointManager: a directory of step checkpoints with retention, latest, best and async saves.
 
 
@@ -1943,8 +580,8 @@ def _finish_at_exit() -> None:
         pending.thread.join(manager.timeout_s)
         if pending.error is not None and not pending.raised:
             print(
-                f"distkit: {_label()} the background save of step {pending.step} to {pending.path} "
-                f"failed: {type(pending.error).__name__}: {pending.error}",
+                f"distkit: {_label()} the background save of step {pending.step} to "
+                f"{redact_url(pending.path)} failed: {type(pending.error).__name__}: {pending.error}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -2102,7 +739,10 @@ class CheckpointManager:
         multi = runtime.get_world_size() > 1
         handshake = (
             _Handshake(
-                f"checkpoint directory {self.directory}", self.timeout_s, action="claiming", verb="claim"
+                f"checkpoint directory {redact_url(self.directory)}",
+                self.timeout_s,
+                action="claiming",
+                verb="claim",
             )
             if multi
             else None
@@ -2135,10 +775,10 @@ class CheckpointManager:
             committed = sorted({entry.step for entry in entries if entry.committed})
             if committed and not self.overwrite:
                 raise CheckpointConflictError(
-                    f"the checkpoint directory {self.directory} already holds committed checkpoints "
-                    f"(steps {_shown_steps(committed)}) that this run did not resume from. A new run "
-                    f"writing there would inherit or destroy them (retention deletes by step, and a "
-                    f"later resume would continue the old run). Either resume that run "
+                    f"the checkpoint directory {redact_url(self.directory)} already holds committed "
+                    f"checkpoints (steps {_shown_steps(committed)}) that this run did not resume from. A "
+                    f"new run writing there would inherit or destroy them (retention deletes by step, and "
+                    f"a later resume would continue the old run). Either resume that run "
                     f"(manager.restore(state), Trainer(resume='auto'), or "
                     f"manager.claim(resuming=True) after loading one yourself), write to another "
                     f"directory, or start over with CheckpointManager(..., overwrite=True), which "
@@ -2158,25 +798,22 @@ class CheckpointManager:
     def _delete_for_overwrite(self, entries: list[_Entry]) -> None:
         deleted: list[int] = []
         for entry in entries:
-            if not entry.leftover and not entry.holds_only_own_files:
-                self._warn_kept(entry, f"it holds files distkit did not write ({self._foreign(entry)})")
-                continue
             try:
-                self._storage.remove(entry.path)
-            except FileNotFoundError:
-                continue
+                if not self._delete_unless_foreign(entry, "it holds"):
+                    continue
             except OSError as err:
                 raise DistkitError(
-                    f"{_label()} overwrite=True could not delete {entry.path}: {type(err).__name__}: "
-                    f"{err}. Nothing was saved; delete it by hand (or fix its permissions) and start "
-                    f"again."
+                    f"{_label()} overwrite=True could not delete {redact_url(entry.path)}: "
+                    f"{type(err).__name__}: {err}. Nothing was saved; delete it by hand (or fix its "
+                    f"permissions) and start again."
                 ) from err
             if entry.committed:
                 deleted.append(entry.step)
         if deleted:
             warnings.warn(
                 f"{_label()} overwrite=True: deleted the checkpoints of steps "
-                f"{_shown_steps(sorted(deleted))} in {self.directory} before this run's first save.",
+                f"{_shown_steps(sorted(deleted))} in {redact_url(self.directory)} before this run's first "
+                f"save.",
                 stacklevel=5,
             )
 
@@ -2271,13 +908,14 @@ class CheckpointManager:
                 file_mode=self.file_mode,
                 timeout_s=self.timeout_s,
                 guard=self._lock.check,
+                storage=self._storage,
             )
             if runtime.get_rank() == 0:
                 self._retain(step)
             return path
         _check_state(state)
         multi = runtime.get_world_size() > 1
-        handshake = _Handshake(f"checkpoint {path}", self.timeout_s) if multi else None
+        handshake = _Handshake(f"checkpoint {redact_url(path)}", self.timeout_s) if multi else None
         pending = _Pending(step, path, handshake, main=runtime.get_rank() == 0)
         if not pending.main:
             _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
@@ -2343,9 +981,9 @@ class CheckpointManager:
             pending.thread.join(self.timeout_s)
             if pending.thread.is_alive():
                 raise CollectiveTimeoutError(
-                    f"{_label()} the background save of step {pending.step} to {pending.path} is still "
-                    f"running after {self.timeout_s:g} s; raise timeout_s if saves legitimately take "
-                    f"this long.",
+                    f"{_label()} the background save of step {pending.step} to {redact_url(pending.path)} "
+                    f"is still running after {self.timeout_s:g} s; raise timeout_s if saves legitimately "
+                    f"take this long.",
                     missing_ranks=None,
                     timeout_s=self.timeout_s,
                 )
@@ -2356,8 +994,8 @@ class CheckpointManager:
             raise pending.error  # the same refusal as on the other ranks, not a crash to wrap
         if pending.error is not None and not pending.raised:
             raise DistkitError(
-                f"{_label()} the background save of step {pending.step} to {pending.path} failed: "
-                f"{type(pending.error).__name__}: {pending.error}"
+                f"{_label()} the background save of step {pending.step} to {redact_url(pending.path)} "
+                f"failed: {type(pending.error).__name__}: {pending.error}"
             ) from pending.error
 
     # ---- finding checkpoints
@@ -2387,7 +1025,8 @@ class CheckpointManager:
                 continue  # deleted since the listing (retention of the writer): not damage
             except CheckpointCorruptError as err:
                 warnings.warn(
-                    f"{_label()} skipping corrupt checkpoint {entry.path}: {err.reason}.", stacklevel=3
+                    f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
+                    stacklevel=3,
                 )
                 continue
             self._warn_partials(entries, above=entry.step, in_flight=in_flight)
@@ -2399,8 +1038,8 @@ class CheckpointManager:
         for entry in entries:
             if not entry.committed and entry.step > above and entry.step != in_flight:
                 warnings.warn(
-                    f"{_label()} skipping partial checkpoint {entry.path}: it has no {_MANIFEST_FILE} "
-                    f"(a save that did not finish).",
+                    f"{_label()} skipping partial checkpoint {redact_url(entry.path)}: it has no "
+                    f"{_MANIFEST_FILE} (a save that did not finish).",
                     stacklevel=4,
                 )
 
@@ -2505,13 +1144,13 @@ class CheckpointManager:
         failed = {rank: error for rank, (_, error) in enumerate(outcomes) if error is not None}
         if failed:
             raise DistkitError(
-                f"{_label()} restoring from {self.directory} failed on rank(s) {sorted(failed)}: "
+                f"{_label()} restoring from {redact_url(self.directory)} failed on rank(s) {sorted(failed)}: "
                 + "; ".join(f"rank {rank}: {error}" for rank, error in failed.items())
             )
         chosen = [step for step, _ in outcomes]
         if len(set(chosen)) > 1:
             raise DistkitError(
-                f"{_label()} ranks restored different checkpoints from {self.directory}: "
+                f"{_label()} ranks restored different checkpoints from {redact_url(self.directory)}: "
                 f"{dict(enumerate(chosen))} (rank: step). The directory changed while they read it; "
                 f"make sure no other job writes to it and restore again."
             )
@@ -2526,7 +1165,8 @@ class CheckpointManager:
                 continue  # deleted since the listing
             except CheckpointCorruptError as err:
                 warnings.warn(
-                    f"{_label()} skipping corrupt checkpoint {entry.path}: {err.reason}.", stacklevel=3
+                    f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
+                    stacklevel=3,
                 )
                 continue
             self._warn_partials(entries, above=entry.step, in_flight=None)
@@ -2543,9 +1183,9 @@ class CheckpointManager:
             self._apply_retention(just_saved)
         except Exception as err:
             warnings.warn(
-                f"{_label()} retention after saving step {just_saved} in {self.directory} failed: "
-                f"{type(err).__name__}: {err}. The new checkpoint is committed; older ones were not "
-                f"deleted this time.",
+                f"{_label()} retention after saving step {just_saved} in {redact_url(self.directory)} "
+                f"failed: {type(err).__name__}: {err}. The new checkpoint is committed; older ones were "
+                f"not deleted this time.",
                 stacklevel=3,
             )
 
@@ -2586,31 +1226,49 @@ class CheckpointManager:
             keep.update(e.step for e in self._ranked_by_metric(valid)[: self.keep_best])
         # Surplus checkpoints first (the space retention is for), then the debris.
         for entry in [e for e in valid if e.step not in keep] + debris:
-            if not entry.leftover and not entry.holds_only_own_files:
-                self._warn_kept(entry, f"it also holds files distkit did not write ({self._foreign(entry)})")
-                continue
             try:
-                self._storage.remove(entry.path)
-            except FileNotFoundError:
-                continue
+                self._delete_unless_foreign(entry, "it also holds")
             except OSError as err:
                 warnings.warn(
-                    f"{_label()} retention could not delete {entry.path}: {err}. The new checkpoint "
-                    f"is committed; delete the old one by hand to free the space.",
+                    f"{_label()} retention could not delete {redact_url(entry.path)}: {err}. The new "
+                    f"checkpoint is committed; delete the old one by hand to free the space.",
                     stacklevel=4,
                 )
+
+    def _delete_unless_foreign(self, entry: _Entry, kept_because: str) -> bool:
+        """Delete ``entry``; one that holds files distkit did not write is kept, with a warning.
+
+        Args:
+            entry: A checkpoint or leftover of this directory.
+            kept_because: How the warning's reason starts: ``"it holds"`` or ``"it also holds"``.
+
+        Returns:
+            Whether this call deleted it (``False``: kept, or gone already).
+
+        Raises:
+            OSError: The deletion failed.
+        """
+        if not entry.leftover and not entry.holds_only_own_files:
+            why = f"{kept_because} files distkit did not write ({self._foreign(entry)})"
+            self._warn_kept(entry, why, stacklevel=6)  # one frame deeper than the callers' own
+            return False
+        try:
+            self._storage.remove(entry.path)
+        except FileNotFoundError:
+            return False
+        return True
 
     @staticmethod
     def _foreign(entry: _Entry) -> str:
         return ", ".join(sorted(entry.files - _OWN_FILES)[:5])
 
-    def _warn_kept(self, entry: _Entry, why: str) -> None:
+    def _warn_kept(self, entry: _Entry, why: str, *, stacklevel: int = 5) -> None:
         # Once per checkpoint and manager: the same reason at every save would bury the log.
         if entry.path in self._kept_warned:
             return
         self._kept_warned.add(entry.path)
         warnings.warn(
-            f"{_label()} retention keeps {entry.path}: {why}. distkit never deletes what it cannot "
-            f"read or did not write; look at it, and delete it by hand if it is not needed.",
-            stacklevel=5,
+            f"{_label()} retention keeps {redact_url(entry.path)}: {why}. distkit never deletes what it "
+            f"cannot read or did not write; look at it, and delete it by hand if it is not needed.",
+            stacklevel=stacklevel,
         )

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+import distkit._checkpoint_files as ckpt_files
+import distkit._checkpoint_format as ckpt_format
 import distkit.checkpoint as ckpt
 
 # Longer than any test runs: the parent kills this process, it never wakes up.
@@ -38,24 +40,24 @@ def main() -> None:
     directory, point, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     armed = False
     if point == "write":
-        write = ckpt._ChecksumWriter.write
+        write = ckpt_format._ChecksumWriter.write
 
-        def write_then_pause(self: ckpt._ChecksumWriter, data: object) -> int:
+        def write_then_pause(self: ckpt_format._ChecksumWriter, data: object) -> int:
             n = write(self, data)
-            if armed and n >= ckpt._PARALLEL_BYTES:
+            if armed and n >= ckpt_format._PARALLEL_BYTES:
                 _pause()
             return n
 
-        ckpt._ChecksumWriter.write = write_then_pause  # type: ignore[method-assign]
+        ckpt_format._ChecksumWriter.write = write_then_pause  # type: ignore[method-assign]
     elif point == "delete":
-        purge = ckpt._purge
+        purge = ckpt_files._purge
 
         def pause_before_purge(path: str) -> None:
             if armed:
                 _pause()
             purge(path)
 
-        ckpt._purge = pause_before_purge
+        ckpt_files._purge = pause_before_purge
     elif point != "exit":
         raise SystemExit(f"unknown pause point {point!r}; use 'write', 'delete' or 'exit'")
     manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=point == "exit")

@@ -1,0 +1,297 @@
+"""Live objects to a checkpoint's state and back (private).
+
+Saving: modules unwrapped from DDP, DataParallel and ``torch.compile``, state dicts collected,
+values that ``torch.load(weights_only=True)`` would refuse caught before anything is written, and
+an asynchronous save's copy in CPU memory. Loading: saved keys matched to the target module's
+(``module.`` and ``_orig_mod.`` prefixes), and each entry restored into its object.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit._checkpoint_errors import _label
+from distkit._secrets import redact_url
+from distkit.errors import DistkitError
+
+# Exact types torch.load(weights_only=True) rebuilds without help (see torch._weights_only_unpickler):
+# a subclass (a namedtuple, a numpy scalar, a defaultdict) is refused at load time.
+_PLAIN_LEAVES = frozenset(
+    {
+        int,
+        float,
+        complex,
+        bool,
+        str,
+        bytes,
+        bytearray,
+        type(None),
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+    }
+)
+_PLAIN_CONTAINERS = frozenset({dict, OrderedDict, Counter, list, tuple, set})
+_PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
+
+
+# --------------------------------------------------------------------------------------------------
+# From live objects to a state that torch.load(weights_only=True) can read back.
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The user's module inside DDP, DataParallel and torch.compile wrappers."""
+    while True:
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+            continue
+        # torch.compile's wrapper; if dynamo was never imported no module can be compiled.
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+            module = module._orig_mod
+            continue
+        return module
+
+
+def _without_compile_segments(key: str) -> str:
+    # A compiled submodule (model.encoder = torch.compile(...)) puts "_orig_mod." inside the keys.
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
+def _module_state(module: nn.Module) -> dict[str, Any]:
+    state = _unwrap(module).state_dict()
+    if not any("_orig_mod" in key for key in state):
+        return state
+    clean: OrderedDict[str, Any] = OrderedDict(
+        (_without_compile_segments(key), value) for key, value in state.items()
+    )
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        clean_meta: OrderedDict[str, Any] = OrderedDict()
+        for prefix, value in metadata.items():
+            clean_meta.setdefault(_without_compile_segments(prefix), value)
+        clean._metadata = clean_meta  # type: ignore[attr-defined]
+    return clean
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"state must be a mapping of names to objects, e.g. {{'model': model}}, "
+            f"got {type(state).__name__}."
+        )
+    for key in state:
+        if not isinstance(key, str):
+            raise TypeError(f"state keys must be strings, got {key!r}.")
+
+
+def _collect(state: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = _module_state(value)
+        elif callable(getattr(value, "state_dict", None)):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
+
+
+def _safe_types() -> set[type]:
+    extra = set()
+    for entry in torch.serialization.get_safe_globals():
+        obj = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(obj, type):
+            extra.add(obj)
+    return extra
+
+
+def _check_loadable(payload: Mapping[str, Any]) -> None:
+    """Refuse, before writing, a state that ``torch.load(weights_only=True)`` would refuse later."""
+    allowed: set[type] | None = None
+    stack: list[tuple[Any, str]] = [(value, f"[{key!r}]") for key, value in payload.items()]
+    seen: set[int] = set()
+    while stack:
+        obj, where = stack.pop()
+        kind = type(obj)
+        if kind in _PLAIN_LEAVES or kind in _PLAIN_TENSORS:
+            continue
+        if kind in _PLAIN_CONTAINERS:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, dict):
+                stack.extend((k, f"{where} key {k!r}") for k in obj)
+                stack.extend((v, f"{where}[{k!r}]") for k, v in obj.items())
+                if getattr(obj, "__dict__", None):
+                    stack.extend((v, f"{where}.{a}") for a, v in vars(obj).items())
+            else:
+                stack.extend((v, f"{where}[{i}]") for i, v in enumerate(obj))
+            continue
+        if allowed is None:
+            allowed = _safe_types()
+        if kind in allowed:
+            continue
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(
+            f"state{where} is a {name}, which torch.load(weights_only=True) refuses to load, so "
+            f"this checkpoint could never be restored. Store tensors, numbers, strings and "
+            f"lists/dicts of them instead (torch.from_numpy() for arrays, .item() for numpy "
+            f"scalars), give the object state_dict()/load_state_dict(), or allow the type with "
+            f"torch.serialization.add_safe_globals([{kind.__qualname__}])."
+        )
+
+
+def _copy_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    if storage.device.type == "cpu":
+        return storage.clone()
+    if storage.device.type != "cuda":
+        return storage.cpu()
+    # Pinned host memory lets the device copies overlap; _to_cpu synchronizes once at the end.
+    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+    host.copy_(storage, non_blocking=True)
+    return host
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` in CPU memory that pickles to the same bytes as ``obj`` itself.
+
+    Tensors that share a storage keep sharing one copy, containers referenced twice stay one
+    object, and immutable leaves are the same objects: ``torch.save`` output depends on all three.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    memo: dict[int, Any] = {}
+    devices: set[torch.device] = set()
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:
+            return t.detach()  # no data to copy
+        if t.layout != torch.strided or type(t) not in _PLAIN_TENSORS or t.is_quantized or t.is_conj():
+            # Rare in state dicts; a plain copy is right, only its bytes may differ from a sync save.
+            return t.detach().to("cpu", copy=True)
+        source = t.untyped_storage()
+        key = source._cdata
+        if key not in storages:
+            if source.device.type == "cuda":
+                devices.add(source.device)
+            storages[key] = _copy_storage(source)
+        out = torch.empty(0, dtype=t.dtype).set_(storages[key], t.storage_offset(), t.size(), t.stride())
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(out, requires_grad=t.requires_grad)
+        return out.requires_grad_(t.requires_grad)
+
+    def walk(value: Any) -> Any:
+        kind = type(value)
+        if kind in _PLAIN_LEAVES and kind is not bytearray:
+            return value
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, torch.Tensor):
+            result: Any = tensor(value)
+        elif kind in (dict, OrderedDict, Counter):
+            result = kind()
+            memo[id(value)] = result
+            for k, v in value.items():
+                result[k] = walk(v)
+            for attr, v in getattr(value, "__dict__", {}).items():  # a module state dict's _metadata
+                setattr(result, attr, copy.deepcopy(v))
+        elif kind is list:
+            result = []
+            memo[id(value)] = result
+            result.extend(walk(v) for v in value)
+        elif kind is tuple:
+            result = tuple(walk(v) for v in value)
+        elif kind is set:
+            result = {walk(v) for v in value}
+        else:
+            result = copy.deepcopy(value)
+        memo[id(value)] = result
+        return result
+
+    copied = walk(obj)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return copied
+
+
+# --------------------------------------------------------------------------------------------------
+# From a loaded state back into live objects.
+
+
+def _key_map(source: list[str], target: list[str]) -> dict[str, str]:
+    """Map keys saved with or without wrapper prefixes onto the target module's keys."""
+    if set(source) <= set(target):
+        return {}
+
+    def canonical(key: str) -> str:
+        key = _without_compile_segments(key)
+        while key.startswith("module."):
+            key = key[len("module.") :]
+        return "" if key == "module" else key
+
+    by_canonical: dict[str, str] = {}
+    for key in target:
+        if by_canonical.setdefault(canonical(key), key) != key:
+            return {}  # ambiguous: leave the keys as they are and let load_state_dict report them
+    return {key: by_canonical[canonical(key)] for key in source if canonical(key) in by_canonical}
+
+
+def _load_module(name: str, module: nn.Module, saved: Mapping[str, Any], strict: bool) -> None:
+    inner = _unwrap(module)
+    target_keys = list(inner.state_dict(keep_vars=True))
+    mapping = _key_map(list(saved), target_keys)
+    if mapping:
+        remapped: OrderedDict[str, Any] = OrderedDict((mapping.get(k, k), v) for k, v in saved.items())
+        metadata = getattr(saved, "_metadata", None)
+        if metadata is not None:
+            prefixes = _key_map(list(metadata), [n for n, _ in inner.named_modules()])
+            remapped._metadata = OrderedDict(  # type: ignore[attr-defined]
+                (prefixes.get(k, k), v) for k, v in metadata.items()
+            )
+        saved = remapped
+    try:
+        inner.load_state_dict(saved, strict=strict)
+    except RuntimeError as err:
+        raise DistkitError(f"could not restore state[{name!r}] into {type(inner).__name__}: {err}") from err
+
+
+def _restore(path: str, loaded: Mapping[str, Any], state: Mapping[str, Any], strict: bool) -> None:
+    missing = [key for key in state if key not in loaded]
+    if missing and strict:
+        raise DistkitError(
+            f"checkpoint {redact_url(path)} has no entries {missing}; it holds {sorted(loaded)}. Rename "
+            f"the keys of state to match, or pass strict=False to skip the missing ones."
+        )
+    if missing:
+        warnings.warn(
+            f"{_label()} checkpoint {redact_url(path)} has no entries {missing}; they were left as they are.",
+            stacklevel=3,
+        )
+    for key, target in list(state.items()):
+        if key not in loaded:
+            continue
+        value = loaded[key]
+        if isinstance(target, nn.Module):
+            _load_module(key, target, value, strict)
+        elif callable(getattr(target, "load_state_dict", None)):
+            target.load_state_dict(value)
+        elif isinstance(target, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise DistkitError(
+                    f"state[{key!r}] is a tensor of shape {tuple(target.shape)} but the checkpoint "
+                    f"holds {shape}."
+                )
+            with torch.no_grad():
+                target.copy_(value)
+        elif isinstance(state, MutableMapping):
+            state[key] = value
