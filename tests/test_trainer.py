@@ -1190,3 +1190,45 @@ def test_sigkilled_rank_restarts_under_torchrun_and_ends_with_uninterrupted_weig
     expected = ranks.run(reference_weights, str(tmp_path / "reference"), 8)[0]
     for name, tensor in saved["weights"].items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_checkpoints_to_an_fsspec_url_resume_and_refuse_a_fresh_run_there(tmp_path, monkeypatch) -> None:
+    # ModelCheckpoint(dirpath=URL) used to become a local directory named "memory:" (pathlib
+    # collapses "//"). The URL carries credentials, which no message may show.
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://user:s3cr3tpass@bucket/{tmp_path.name}/ckpt"
+
+    def run(max_steps: int, resume: str | None) -> Trainer:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            str(tmp_path),
+            strategy="single",
+            max_steps=max_steps,
+            resume=resume,
+            callbacks=[ModelCheckpoint(url, every_n_steps=2, keep_last=2)],
+        )
+        trainer.fit(
+            model,
+            RandomDataset(20, 128),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+        return trainer
+
+    run(4, None)
+    assert not (tmp_path / "memory:").exists()
+    fs, root = fsspec_url_to_fs(url)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
+        "step_000000002",
+        "step_000000004",
+    ]
+    assert run(6, "auto").global_step == 6
+    with pytest.raises(distkit.CheckpointConflictError) as refused:
+        run(2, None)
+    assert "s3cr3tpass" not in str(refused.value) and "memory://***@bucket/" in str(refused.value)
+
+
+def fsspec_url_to_fs(url: str) -> tuple[object, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)  # type: ignore[no-any-return]

@@ -94,7 +94,8 @@ class ModelCheckpoint(Callback):
     last 3 kept) unless you pass your own or ``enable_checkpointing=False``.
 
     Args:
-        dirpath: Directory of the checkpoints; ``None`` means ``<default_root_dir>/checkpoints``.
+        dirpath: Directory of the checkpoints, local or an fsspec URL (``s3://bucket/run``);
+            ``None`` means ``<default_root_dir>/checkpoints``.
         monitor: Metric that ranks the epoch-end checkpoints for ``keep_best`` (e.g. ``"val_loss"``);
             mid-epoch ones (``every_n_steps``) are kept by ``keep_last`` only.
         mode: ``"min"`` or ``"max"``: which way ``monitor`` improves.
@@ -140,7 +141,10 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"every_n_epochs must be >= 0, got {every_n_epochs}.")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        # A URL stays a string: Path("s3://bucket/run") is "s3:/bucket/run", a local directory.
+        self.dirpath: str | Path | None = None
+        if dirpath is not None:
+            self.dirpath = os.fspath(dirpath) if "://" in os.fspath(dirpath) else Path(dirpath)
         self.monitor = monitor
         self.mode = mode
         self.keep_last = keep_last
@@ -150,7 +154,7 @@ class ModelCheckpoint(Callback):
         self.async_save = async_save
         self.overwrite = overwrite
         self.manager: Any = None
-        self.directory: Path | None = None
+        self.directory: str | Path | None = None
         self._last_saved_step: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import runtime
+from distkit._secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, ResumeState, load_checkpoint
 from distkit.collectives import all_gather_object, all_reduce, any_rank, reduce_metrics
 from distkit.data import DistributedLoader, distributed_dataloader
@@ -998,9 +999,9 @@ class Trainer:
             first, last = err.steps[0], err.steps[-1]
             steps = f"step {first}" if first == last else f"steps {first}..{last}"
             raise CheckpointConflictError(
-                f"{checkpoint.directory} already holds the checkpoints of another run ({steps}), and "
-                f"this fit() starts a new one (resume="
-                f"{self.resume!r}). Continue that run with Trainer(resume='auto'); or write to another "
+                f"{redact_url(str(checkpoint.directory))} already holds the checkpoints of another run "
+                f"({steps}), and this fit() starts a new one (resume={self.resume!r}). Continue that "
+                f"run with Trainer(resume='auto'); or write to another "
                 f"directory (Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)); or start "
                 f"over with callbacks=[ModelCheckpoint(overwrite=True)], which deletes them.",
                 directory=err.directory,
@@ -1026,7 +1027,8 @@ class Trainer:
                 )
             if checkpoint.manager.restore(state) is None:
                 _log.info(
-                    "resume='auto': no checkpoint in %s yet, starting from step 0", checkpoint.directory
+                    "resume='auto': no checkpoint in %s yet, starting from step 0",
+                    redact_url(str(checkpoint.directory)),
                 )
                 return None
         else:
@@ -1582,5 +1584,5 @@ class Trainer:
         checkpoint = self._checkpoint_callback()
         if checkpoint is not None:
             resumed = "fresh start" if resumed_from is None else f"resumed at step {resumed_from}"
-            lines.append(f"  checkpoints    {checkpoint.directory} ({resumed})")
+            lines.append(f"  checkpoints    {redact_url(str(checkpoint.directory))} ({resumed})")
         return "\n".join(lines)
