@@ -27,6 +27,7 @@ live objects to a state and back.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import math
@@ -39,7 +40,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -186,6 +187,21 @@ class _Handshake:
             self.store.delete_key(f"{self.key}/read")
 
 
+@contextlib.contextmanager
+def _reported_to_the_others(handshake: _Handshake | None) -> Iterator[None]:
+    """Rank 0: run the block, then publish and settle its outcome (nothing without a handshake)."""
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        if handshake is not None:
+            handshake.publish(error)
+            handshake.settle_main()
+
+
 def _resolve_timeout(timeout_s: float | None) -> float:
     if timeout_s is None:
         return DEFAULT_SAVE_TIMEOUT_S
@@ -298,20 +314,12 @@ def _save_checkpoint(
         _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
         handshake.settle_other()
         return target
-    error: BaseException | None = None
-    try:
+    with _reported_to_the_others(handshake):
         payload = _collect(state)
         _check_loadable(payload)
         storage.write_checkpoint(
             target, payload, _manifest_builder(step, metrics_json, list(payload)), file_mode, guard
         )
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        if handshake is not None:
-            handshake.publish(error)
-            handshake.settle_main()
     return target
 
 
@@ -751,16 +759,8 @@ class CheckpointManager:
             handshake.settle_other()
             self._claimed = True
             return
-        error: BaseException | None = None
-        try:
+        with _reported_to_the_others(handshake):
             self._claim_here(resuming)
-        except BaseException as err:
-            error = err
-            raise
-        finally:
-            if handshake is not None:
-                handshake.publish(error)
-                handshake.settle_main()
         self._claimed = True
 
     def _claim_here(self, resuming: bool) -> None:
