@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         expand_slurm_nodelist as expand_slurm_nodelist,
     )
     from distkit.errors import (
+        CollectiveMismatchError as CollectiveMismatchError,
         CollectiveTimeoutError as CollectiveTimeoutError,
         DistkitError as DistkitError,
         MainProcessError as MainProcessError,
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
     )
     from distkit.runtime import (
         DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
+        HANG_EXIT_CODE as HANG_EXIT_CODE,
         RankLoggerAdapter as RankLoggerAdapter,
         barrier as barrier,
         get_device as get_device,
@@ -131,10 +133,12 @@ _LAZY: dict[str, str] = {
     "LaunchEnv": "distkit.env",
     "detect_env": "distkit.env",
     "expand_slurm_nodelist": "distkit.env",
+    "CollectiveMismatchError": "distkit.errors",
     "CollectiveTimeoutError": "distkit.errors",
     "DistkitError": "distkit.errors",
     "MainProcessError": "distkit.errors",
     "DEFAULT_TIMEOUT_S": "distkit.runtime",
+    "HANG_EXIT_CODE": "distkit.runtime",
     "RankLoggerAdapter": "distkit.runtime",
     "barrier": "distkit.runtime",
     "get_device": "distkit.runtime",

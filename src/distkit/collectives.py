@@ -2,6 +2,12 @@
 
 Every function here is a no-op with the same return type in a world of one, so training code calls
 them unconditionally.
+
+On CPU they run on distkit's own gloo group (see :func:`distkit.init`), started with
+``async_op=True`` and waited for by :func:`_wait`: the common case costs what a blocking call
+costs, and a collective still pending after a second asks where the ranks that did not arrive are
+(docs/debugging.md). One that waits in another collective, or has left the job, can never arrive:
+the ranks that did raise :class:`~distkit.CollectiveMismatchError` at once.
 """
 
 from __future__ import annotations
@@ -9,14 +15,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import pickle
 import reprlib
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from distkit import runtime
+from distkit import _hang, runtime
 from distkit.errors import DistkitError
 
 __all__ = [
@@ -102,9 +111,61 @@ def _require_tensor(fn: str, value: object, fix: str) -> None:
         )
 
 
-def _group_for(tensor: torch.Tensor) -> Any:
-    # CPU tensors go through the gloo group when the default group is NCCL.
-    return runtime._cpu_group() if tensor.device.type == "cpu" else None
+_FIRST_WAIT = timedelta(seconds=_hang.FIRST_CHECK_S)
+
+
+def _wait(work: Any, what: str) -> None:
+    """Wait for a collective of a gloo group started with ``async_op=True``.
+
+    gloo's ``work.wait(timeout)`` raises when the timeout passes and leaves the collective pending,
+    so it can be waited for again (measured: torch 2.13). The first wait covers every healthy call;
+    after it, the hang doctor asks where the missing ranks are, and this returns when the collective
+    completes, raises :class:`~distkit.CollectiveMismatchError` when some rank can never arrive,
+    or reports and exits when the watchdog is on. The collective's own timeout (the process group's)
+    still ends it.
+    """
+    try:
+        work.wait(_FIRST_WAIT)
+        return
+    except RuntimeError as err:
+        if work.is_completed():
+            _finish(work, err, what)
+            return
+    doctor = runtime._doctor()
+    if doctor is None:  # no store to ask through: a plain wait, bounded by the group's timeout
+        _finish(work, None, what)
+        return
+    start = time.monotonic() - _hang.FIRST_CHECK_S
+    try:
+        while True:
+            next_s = doctor.check_collective(what, time.monotonic() - start)
+            try:
+                work.wait(timedelta(seconds=next_s))
+                return
+            except RuntimeError as err:
+                if work.is_completed():
+                    _finish(work, err, what)
+                    return
+    finally:
+        doctor.finish_collective()
+
+
+def _finish(work: Any, err: RuntimeError | None, what: str) -> None:
+    """Wait for a completed (or, with ``err=None``, any) collective; explain a failure."""
+    try:
+        work.wait()  # completed: returns at once, or raises the collective's own error
+    except RuntimeError as failure:
+        _failed(failure, what)
+
+
+def _failed(err: RuntimeError, what: str) -> NoReturn:
+    doctor = runtime._doctor()
+    if doctor is not None:
+        doctor.on_failure(err, frames=_hang.current_frames())  # the watchdog on: reports and exits
+        explained = doctor.explain_failure(err, f"{what}()")
+        if explained is not None:
+            raise explained from err
+    raise err
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,9 +187,10 @@ def _header(signature: tuple[tuple[str, bool], ...], op: str) -> tuple[float, ..
 def _to_float(key: str, value: Any) -> float | torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
+            shown = f": {value.detach().cpu().tolist()}" if 0 < value.numel() <= 8 else ""
             raise ValueError(
                 f"metric {key!r} must be a number or a one-element tensor, got a tensor of shape "
-                f"{tuple(value.shape)}; reduce it first (e.g. .mean()) or pass a (sum, count) pair."
+                f"{tuple(value.shape)}{shown}; reduce it first (e.g. .mean()) or pass a (sum, count) pair."
             )
         return value.detach().reshape(())
     if isinstance(value, (int, float)):
@@ -137,7 +199,7 @@ def _to_float(key: str, value: Any) -> float | torch.Tensor:
         return float(value.item())
     raise TypeError(
         f"metric {key!r} must be a number, a one-element tensor or a (sum, count) pair, "
-        f"got {type(value).__name__}."
+        f"got {type(value).__name__}: {reprlib.repr(value)}."
     )
 
 
@@ -181,17 +243,53 @@ def _unflatten(
     return out
 
 
+# What a rank whose own arguments are invalid puts in the header: above any 16-bit chunk, so every
+# rank sees a mismatch whatever the others reduce with (any sum or max over non-negative values
+# that include it is at least this large), and all of them then learn why (_tell_the_others).
+_POISON = float(2**17)
+
+
+def _tell_the_others(error: BaseException) -> NoReturn:
+    """This rank's arguments are invalid: make every rank of the call raise now, then raise here.
+
+    The others are (or will be) in the all-reduce of this call; without this they would wait there
+    for the process group's timeout. This rank takes part with a header no rank expects, so every
+    rank goes on to the gather of :func:`_explain_mismatch`, where it learns this error.
+    """
+    header = [_POISON] * _CHUNKS + [_POISON * _POISON] * _CHUNKS + [1.0]
+    buffer = torch.tensor(header + [0.0] * _BLOCK, dtype=torch.float64)
+    text = f"{type(error).__name__}: {error}"
+    try:
+        _wait(
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=runtime._cpu_group(), async_op=True),
+            "reduce_metrics",
+        )
+        all_gather_object((None, None, text))
+    except DistkitError as other:
+        raise error from other
+    raise error
+
+
 def _explain_mismatch(signature: Sequence[tuple[str, bool]], op: str) -> DistkitError:
     # Only reached when every rank saw the mismatch in the header, so every rank is here too.
-    everyone = all_gather_object((op, list(signature)))
+    everyone = all_gather_object((op, list(signature), None))
+    invalid = [(rank, text) for rank, (_, _, text) in enumerate(everyone) if text is not None]
+    if invalid:
+        ranks = [rank for rank, _ in invalid]
+        described = "; ".join(f"rank {rank}: {text.rstrip('.')}" for rank, text in invalid)
+        return DistkitError(
+            f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] reduce_metrics() got invalid "
+            f"arguments on rank(s) {ranks}, so it raises on every rank: {described}. Fix the value on "
+            f"that rank (every rank must pass numbers, one-element tensors or (sum, count) pairs)."
+        )
     lines = []
     fixes = []
-    ops = [rank_op for rank_op, _ in everyone]
+    ops = [rank_op for rank_op, _, _ in everyone]
     if len(set(ops)) > 1:
         each = ", ".join(f"rank {rank} op={rank_op!r}" for rank, rank_op in enumerate(ops))
         lines.append(f"op differs between ranks: {each}")
         fixes.append("the same op")
-    signatures = [sig for _, sig in everyone]
+    signatures = [sig for _, sig, _ in everyone]
     kinds = [dict(sig) for sig in signatures]
     union = sorted(set().union(*kinds))
     key_lines = []
@@ -251,7 +349,10 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: _Op = "mean") -> dict
         Names to reduced floats, in the order given.
 
     Raises:
-        DistkitError: Ranks passed different names, kinds or ops.
+        DistkitError: Ranks passed different names, kinds or ops, or another rank's arguments are
+            invalid (every rank raises at once, naming that rank and its value).
+        CollectiveMismatchError: Some rank can never reach this call (it waits in another
+            collective, or has left the job); raised at once, see ``docs/debugging.md``.
         ValueError: ``op`` is unknown, or a tensor has more than one element.
         TypeError: ``op`` is neither a name nor a ``ReduceOp``, or a value is not a number.
 
@@ -260,15 +361,21 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: _Op = "mean") -> dict
         >>> distkit.reduce_metrics({"loss": 0.25, "acc": (90, 100)})
         {'loss': 0.25, 'acc': 0.9}
     """
-    op = _op_name(op, ("mean", "sum", "max", "min"), "reduce_metrics()")
-    signature, values = _flatten(metrics)
-    if op in ("max", "min") and any(is_pair for _, is_pair in signature):
-        raise ValueError(
-            f"op={op!r} does not apply to (sum, count) pairs; reduce them in a separate call with op='mean'."
-        )
+    world_size = runtime.get_world_size()
+    try:
+        op = _op_name(op, ("mean", "sum", "max", "min"), "reduce_metrics()")
+        signature, values = _flatten(metrics)
+        if op in ("max", "min") and any(is_pair for _, is_pair in signature):
+            raise ValueError(
+                f"op={op!r} does not apply to (sum, count) pairs; reduce them in a separate call "
+                f"with op='mean'."
+            )
+    except (TypeError, ValueError) as err:
+        if world_size == 1:
+            raise
+        _tell_the_others(err)
     if op == "min":
         values = [-v for v in values]  # MIN is MAX of the negatives: the header test needs MAX or SUM.
-    world_size = runtime.get_world_size()
     if world_size == 1:
         return _unflatten(signature, values, op, 1)
 
@@ -287,7 +394,7 @@ def reduce_metrics(metrics: Mapping[str, MetricValue], op: _Op = "mean") -> dict
         payload = padded[block * _BLOCK : (block + 1) * _BLOCK]
         # One tensor built from one list: each extra torch op costs as much as a metric.
         buffer = torch.tensor([*header, *payload] if block == 0 else payload, dtype=torch.float64)
-        dist.all_reduce(buffer, op=reduce_op, group=group)
+        _wait(dist.all_reduce(buffer, op=reduce_op, group=group, async_op=True), "reduce_metrics")
         flat = buffer.tolist()
         if block == 0:
             if flat[:_HEADER] != expected:
@@ -338,7 +445,7 @@ def all_reduce(tensor: torch.Tensor, op: _Op = "sum") -> torch.Tensor:
     world_size = runtime.get_world_size()
     if world_size == 1:
         return tensor
-    dist.all_reduce(tensor, op=_OPS["sum" if op == "mean" else op], group=_group_for(tensor))
+    _run("all_reduce", tensor, dist.all_reduce, tensor, op=_OPS["sum" if op == "mean" else op])
     if op == "mean":
         tensor.div_(world_size)
     return tensor
@@ -399,13 +506,12 @@ def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
         raise TypeError(f"all_gather does not support dtype {tensor.dtype}.")
     scalar = tensor.dim() == 0
     data = tensor.reshape(1) if scalar else tensor.contiguous()
-    group = _group_for(data)
     meta = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64, device=data.device)
     meta[0] = _DTYPES.index(tensor.dtype)
     meta[1] = tensor.dim()
     meta[2 : 2 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
     metas = [torch.empty_like(meta) for _ in range(world_size)]
-    dist.all_gather(metas, meta, group=group)
+    _run("all_gather", data, dist.all_gather, metas, meta)
     rows = [m.tolist() for m in metas]
     mine = rows[runtime.get_rank()]
     different = [r for r, row in enumerate(rows) if row[:2] != mine[:2] or row[3:] != mine[3:]]
@@ -424,16 +530,41 @@ def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
         pad = data.new_zeros((longest - data.shape[0], *data.shape[1:]))
         data = torch.cat([data, pad])
     out = [torch.empty_like(data) for _ in range(world_size)]
-    dist.all_gather(out, data, group=group)
+    _run("all_gather", data, dist.all_gather, out, data)
     result = [chunk[:n] for chunk, n in zip(out, lengths, strict=True)]
     return [t.reshape(()) for t in result] if scalar else result
+
+
+def _run(what: str, tensor: torch.Tensor, collective: Any, *args: Any, **kwargs: Any) -> None:
+    """Run a collective on ``tensor``'s group: CPU tensors through :func:`_wait`, CUDA ones blocking.
+
+    NCCL's ``wait(timeout)`` has other semantics (it may abort the communicator), so the bounded
+    first wait is for gloo only; NCCL collectives are bounded by the group's timeout.
+    """
+    if tensor.device.type == "cpu":
+        _wait(collective(*args, group=runtime._cpu_group(), async_op=True, **kwargs), what)
+    else:
+        collective(*args, **kwargs)
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    try:
+        raw = data.numpy().tobytes()
+    except RuntimeError:  # torch without numpy
+        raw = bytes(data.tolist())
+    return pickle.loads(raw)  # what the ranks of this job sent, as torch's own all_gather_object trusts
 
 
 def all_gather_object(obj: T) -> list[T]:
     """Gather a picklable object from every rank, in rank order.
 
     Collective: call on every rank. Without a process group it returns ``[obj]``. Objects travel
-    over gloo (CPU) even when the job uses NCCL.
+    over distkit's gloo group (CPU) even when the job uses NCCL: two collectives, the sizes then the
+    pickled bytes, as torch's own ``all_gather_object``.
 
     Example:
         >>> import distkit
@@ -443,9 +574,18 @@ def all_gather_object(obj: T) -> list[T]:
     world_size = runtime.get_world_size()
     if world_size == 1:
         return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=runtime._cpu_group())
-    return out
+    group = runtime._cpu_group()
+    data = _to_bytes(obj)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world_size)]
+    _wait(dist.all_gather(sizes, size, group=group, async_op=True), "all_gather_object")
+    lengths = [int(n.item()) for n in sizes]
+    longest = max(lengths)
+    if data.numel() < longest:
+        data = torch.cat([data, data.new_zeros(longest - data.numel())])
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world_size)]
+    _wait(dist.all_gather(out, data, group=group, async_op=True), "all_gather_object")
+    return [_from_bytes(chunk[:n]) for chunk, n in zip(out, lengths, strict=True)]
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
@@ -464,16 +604,22 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         raise ValueError(f"src must be a rank in 0..{world_size - 1}, got {src}.")
     if world_size == 1:
         return obj
-    box = [obj if runtime.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=runtime._cpu_group())
-    return box[0]  # type: ignore[return-value]
+    group = runtime._cpu_group()
+    mine = runtime.get_rank() == src
+    data = _to_bytes(obj) if mine else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+    _wait(dist.broadcast(size, src=src, group=group, async_op=True), "broadcast_object")
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.broadcast(data, src=src, group=group, async_op=True), "broadcast_object")
+    return obj if mine else _from_bytes(data)  # type: ignore[no-any-return]
 
 
-def _flag(flag: bool, op: dist.ReduceOp) -> bool:
+def _flag(flag: bool, op: dist.ReduceOp, what: str) -> bool:
     if runtime.get_world_size() == 1:
         return bool(flag)
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(value, op=op, group=runtime._cpu_group())
+    _wait(dist.all_reduce(value, op=op, group=runtime._cpu_group(), async_op=True), what)
     return bool(value.item())
 
 
@@ -487,7 +633,7 @@ def any_rank(flag: bool) -> bool:
         >>> distkit.any_rank(False)
         False
     """
-    return _flag(flag, dist.ReduceOp.MAX)
+    return _flag(flag, dist.ReduceOp.MAX, "any_rank")
 
 
 def all_ranks(flag: bool) -> bool:
@@ -500,4 +646,4 @@ def all_ranks(flag: bool) -> bool:
         >>> distkit.all_ranks(True)
         True
     """
-    return _flag(flag, dist.ReduceOp.MIN)
+    return _flag(flag, dist.ReduceOp.MIN, "all_ranks")

@@ -6,7 +6,7 @@ them all. Messages that concern one rank start with ``[rank R/W]``.
 
 from __future__ import annotations
 
-__all__ = ["CollectiveTimeoutError", "DistkitError", "MainProcessError"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "DistkitError", "MainProcessError"]
 
 
 class DistkitError(RuntimeError):
@@ -25,6 +25,33 @@ class CollectiveTimeoutError(DistkitError, TimeoutError):
         super().__init__(message)
         self.missing_ranks = missing_ranks
         self.timeout_s = timeout_s
+
+
+class CollectiveMismatchError(DistkitError):
+    """Some ranks wait in a collective that the others can never reach.
+
+    Raised at once, on the ranks that arrived, when a distkit collective (``barrier``,
+    ``reduce_metrics``, the gathers, a checkpoint save's gather) was started by some ranks only:
+    the ranks that did not arrive wait in another collective, or have left the job. See
+    ``docs/debugging.md``.
+
+    Attributes:
+        missing_ranks: The ranks that can never arrive.
+        where: One line per missing rank saying where it is (its operation, file and line).
+
+    Example:
+        >>> err = CollectiveMismatchError("rank 1 is elsewhere", missing_ranks=[1], where=["..."])
+        >>> err.missing_ranks
+        [1]
+    """
+
+    def __init__(
+        self, message: str, *, missing_ranks: list[int] | None = None, where: list[str] | None = None
+    ) -> None:
+        # Optional so that pickle (which calls cls(message) and then restores __dict__) works.
+        super().__init__(message)
+        self.missing_ranks = missing_ranks or []
+        self.where = where or []
 
 
 class MainProcessError(DistkitError):

@@ -10,8 +10,12 @@ import atexit
 import builtins
 import functools
 import gc
+import json
 import logging
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,11 +24,13 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 
+from distkit import _hang
 from distkit.env import LaunchEnv, detect_env
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "HANG_EXIT_CODE",
     "RankLoggerAdapter",
     "barrier",
     "get_device",
@@ -50,6 +56,9 @@ __all__ = [
 # work (downloads) belongs in main_process_first(), which has its own, longer deadline.
 DEFAULT_TIMEOUT_S = 600.0
 
+#: Exit code of every rank after the hang doctor's report: ``timeout(1)``'s code for "timed out".
+HANG_EXIT_CODE = _hang.HANG_EXIT_CODE
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -69,6 +78,10 @@ class _Runtime:
     owns_group: bool = False
     # Per-process counters; every rank calls the same sequence of collectives, so they agree.
     counters: dict[str, int] = field(default_factory=dict)
+    # The hang doctor (docs/debugging.md): its watchdog timeout as init() resolved it (None: off;
+    # seconds; "auto"), and the doctor itself in a job of several processes with a store.
+    hang_timeout_s: float | str | None = None
+    doctor: _hang.Doctor | None = None
 
     def next_id(self, kind: str) -> int:
         self.counters[kind] = self.counters.get(kind, 0) + 1
@@ -125,35 +138,145 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+# The key under which the rank that hosts the store says whose it is (outside any job's namespace).
+_OWNER_KEY = "distkit-store-owner"
+
+
+def _job_id() -> str:
+    """What every process of this job, and no other job, has in its environment."""
+    for name in ("DISTKIT_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name)
+        if value:
+            return value.replace("/", "_")
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        return f"slurm-{slurm}.{os.environ.get('SLURM_STEP_ID', '0')}"
+    return "local"
+
+
+def _port_fix() -> str:
+    return (
+        "Set MASTER_PORT to a free port (the same on every rank), or launch with `torchrun --standalone`, "
+        "which picks a free one."
+    )
+
+
 def _connect_store(env: LaunchEnv, timeout_s: float) -> dist.Store:
     assert env.master_addr is not None and env.master_port is not None  # detect_env guarantees it
     # Under torchrun (or the distkit.testing parent) the launcher already hosts the store, as
     # torch's own env:// rendezvous assumes; otherwise rank 0 hosts it.
     is_master = env.rank == 0 and not env.agent_store
+    where = f"MASTER_PORT={env.master_port} on {env.master_addr}"
+    label = f"[rank {env.rank}/{env.world_size}]"
     try:
-        return dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=is_master,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
+        if is_master:
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        else:
+            store = _connect_client(env, timeout_s)
+    except DistkitError:
+        raise
     except RuntimeError as err:
         text = str(err)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise DistkitError(
-                f"[rank {env.rank}/{env.world_size}] MASTER_PORT={env.master_port} on "
-                f"{env.master_addr} is already in use (another job, or a previous run that is still "
-                f"exiting). Set MASTER_PORT to a free port, or launch with `torchrun --standalone`, "
-                f"which picks a free one."
+                f"{label} {where} is already in use (another job, or a previous run that is still "
+                f"exiting). {_port_fix()}"
             ) from err
         raise DistkitError(
-            f"[rank {env.rank}/{env.world_size}] could not reach the rendezvous store at "
+            f"{label} could not reach the rendezvous store at "
             f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} within {timeout_s:g} s: "
             f"{text.splitlines()[0] if text else type(err).__name__}. Check that rank 0 is running "
             f"and that every rank was given the same MASTER_ADDR and MASTER_PORT."
         ) from err
+    owner = {"job": _job_id(), "world_size": env.world_size, "host": socket.gethostname(), "pid": os.getpid()}
+    if is_master:
+        store.set(_OWNER_KEY, json.dumps(owner))
+    elif not env.agent_store:
+        _check_owner(store, env, owner, timeout_s, where)
+    return store
+
+
+def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
+    """A client of the store at MASTER_ADDR:MASTER_PORT, or an error within ``timeout_s``.
+
+    torch's client retries a refused connection until its timeout, but when the port belongs to a
+    program that accepts the connection and never answers as a store, it waits forever (measured:
+    torch 2.13). So it connects on a thread, and the wait for it has the deadline.
+    """
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(
+                env.master_addr,  # type: ignore[arg-type]
+                env.master_port,  # type: ignore[arg-type]
+                env.world_size,
+                is_master=False,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except BaseException as err:
+            box["error"] = err
+
+    thread = threading.Thread(target=connect, name="distkit-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "store" in box:
+        return box["store"]  # type: ignore[no-any-return]
+    if "error" in box:
+        raise box["error"]
+    raise DistkitError(
+        f"[rank {env.rank}/{env.world_size}] MASTER_PORT={env.master_port} on {env.master_addr} "
+        f"accepted the connection but did not answer as a torch.distributed store within {timeout_s:g} s: "
+        f"another program holds the port (rank 0 of this job most likely failed to start its store "
+        f"there). {_port_fix()}"
+    )
+
+
+def _check_owner(
+    store: dist.Store, env: LaunchEnv, mine: dict[str, Any], timeout_s: float, where: str
+) -> None:
+    """Refuse a store that another job's rank 0 hosts (that job's MASTER_PORT is this job's too)."""
+    label = f"[rank {env.rank}/{env.world_size}]"
+    try:
+        store.wait([_OWNER_KEY], timedelta(seconds=timeout_s))
+        owner = json.loads(store.get(_OWNER_KEY))
+    except (RuntimeError, ValueError) as err:
+        raise DistkitError(
+            f"{label} {where} answers as a torch.distributed store, but no distkit rank 0 registered "
+            f"there within {timeout_s:g} s: the store belongs to another program or job. {_port_fix()}"
+        ) from err
+    job = mine["job"]
+    if owner.get("world_size") != env.world_size or (job != "local" and owner.get("job") != job):
+        raise DistkitError(
+            f"{label} {where} belongs to another job: a {owner.get('world_size')}-process job (job id "
+            f"{owner.get('job')!r}) whose rank 0 is pid {owner.get('pid')} on {owner.get('host')}; this "
+            f"job ({env.world_size} processes, job id {job!r}) must not join it. {_port_fix()}"
+        )
+
+
+def _claim_rank(store: dist.Store, env: LaunchEnv) -> None:
+    """Take this rank's place in the job's namespace, or raise if another process holds it."""
+    if int(store.add(f"claim/{env.rank}", 1)) == 1:
+        store.set(f"claimer/{env.rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        return
+    try:
+        holder = store.get(f"claimer/{env.rank}").decode(errors="replace")
+    except RuntimeError:
+        holder = "another process"
+    raise DistkitError(
+        f"[rank {env.rank}/{env.world_size}] rank {env.rank} of this job is already taken (by {holder}) "
+        f"at MASTER_PORT={env.master_port} on {env.master_addr}: two processes were given RANK="
+        f"{env.rank}, or another job with the same world size uses the same MASTER_PORT. Give each "
+        f"process its own RANK. {_port_fix()}"
+    )
 
 
 def _adopt_existing_group(timeout_s: float) -> _Runtime:
@@ -188,6 +311,7 @@ def init(
     *,
     timeout_s: float | None = None,
     device: str | torch.device | None = None,
+    hang_timeout_s: float | str | None = None,
 ) -> LaunchEnv:
     """Join the job this process was launched into, or set up a world of one.
 
@@ -197,7 +321,16 @@ def init(
 
     Picks ``nccl`` when this rank has a CUDA device, else ``gloo``; selects the CUDA device of the
     local rank; initialises NCCL eagerly so that the first collective already obeys the timeout.
-    When the default group is not gloo, a gloo group is also made for CPU-side coordination.
+    distkit's own collectives (metrics, objects, flags) run on a gloo group of their own, so they
+    never touch the GPU and never pair up with another collective of the default group.
+
+    Every rank of a job of several processes can say where it is when asked through the job's store
+    (a thread that blocks on the store and costs nothing while idle): distkit's collectives use it
+    to raise at once when some ranks can never arrive (:class:`~distkit.CollectiveMismatchError`).
+    With ``hang_timeout_s`` the hang doctor also watches this process: when a rank has waited in a
+    collective for longer than that, one rank prints where every rank is (and writes it to a file
+    in ``DISTKIT_RUN_DIR``, else the working directory) and every rank exits with code 124. See
+    ``docs/debugging.md``.
 
     Args:
         backend: ``"gloo"``, ``"nccl"``, or ``None`` to choose from the device.
@@ -205,14 +338,20 @@ def init(
             (default :data:`DEFAULT_TIMEOUT_S`, 600).
         device: This rank's device; ``None`` picks ``cuda:<local_rank>`` when CUDA is available,
             else the CPU.
+        hang_timeout_s: Turn the hang doctor's watchdog on with this many seconds; ``"auto"`` for
+            five minutes; 0 to turn it off. ``None`` (the default) leaves it to the environment
+            variable ``DISTKIT_HANG_TIMEOUT_S`` (a number, ``auto`` or ``off``), off when unset.
+            Ignored in a world of one, where no collective can wait for another process.
 
     Returns:
         The launch environment this process joined.
 
     Raises:
-        ValueError: The launcher's variables are inconsistent (names the variable).
+        ValueError: The launcher's variables are inconsistent (names the variable), or
+            ``hang_timeout_s``/``DISTKIT_HANG_TIMEOUT_S`` is not a number of seconds.
         DistkitError: The settings conflict with an earlier ``init()``, ``MASTER_PORT`` is already
-            in use, or the rendezvous store cannot be reached.
+            in use or belongs to another job (every rank says so within ``timeout_s``), or the
+            rendezvous store cannot be reached.
 
     Example:
         >>> import distkit
@@ -223,16 +362,18 @@ def init(
     global _runtime, _atexit_registered
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    hang = _hang.timeout_for_init(hang_timeout_s)
     if _runtime is not None:
         wanted_device = None if device is None else _resolve_device(_runtime.env, device)
         conflicts = [
             f"{name}: first init() used {old!r}, now {new!r}"
-            for name, old, new in (
-                ("backend", _runtime.backend, backend),
-                ("timeout_s", _runtime.timeout_s, timeout_s),
-                ("device", _runtime.device, wanted_device),
+            for name, old, new, given in (
+                ("backend", _runtime.backend, backend, backend is not None),
+                ("timeout_s", _runtime.timeout_s, timeout_s, timeout_s is not None),
+                ("device", _runtime.device, wanted_device, device is not None),
+                ("hang_timeout_s", _runtime.hang_timeout_s, hang, hang_timeout_s is not None),
             )
-            if new is not None and new != old
+            if given and new != old
         ]
         if conflicts:
             raise DistkitError(
@@ -245,6 +386,7 @@ def init(
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     if dist.is_available() and dist.is_initialized():
         _runtime = _adopt_existing_group(timeout)
+        _start_doctor(_runtime, hang)
         return _runtime.env
 
     env = detect_env()
@@ -252,19 +394,21 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not env.is_distributed:
-        _runtime = _Runtime(env, backend, dev, timeout)
+        _runtime = _Runtime(env, backend, dev, timeout, hang_timeout_s=hang)
         return env
 
     chosen = _resolve_backend(backend, dev)
-    # torchrun keeps one store across restarts of the workers; keys of an earlier attempt (gloo's
-    # addresses, barrier arrivals) must not be read by this one, so every key carries the attempt,
-    # as torch's own rendezvous does.
+    # Every key of this job lives under its own namespace: torchrun keeps one store across restarts
+    # of the workers (keys of an earlier attempt, gloo's addresses, barrier arrivals, must not be
+    # read by this one, as torch's own rendezvous does), and a job whose MASTER_PORT another job's
+    # store holds must never mix its keys with that job's.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"distkit-attempt-{attempt}/", _connect_store(env, timeout))
+    job_store = dist.PrefixStore(f"distkit-job-{_job_id()}-attempt-{attempt}/", _connect_store(env, timeout))
+    _claim_rank(job_store, env)
     try:
         dist.init_process_group(
             chosen,
-            store=dist.PrefixStore("pg/", store),
+            store=dist.PrefixStore("pg/", job_store),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timedelta(seconds=timeout),
@@ -272,9 +416,11 @@ def init(
             # that never arrives is reported within the timeout instead of at the first collective.
             device_id=dev if chosen == "nccl" else None,
         )
-        cpu_group = (
-            None if chosen == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        )
+        # distkit's collectives get a gloo group of their own: CPU-side under NCCL, and never
+        # matched with a collective of the default group (a reduce_metrics that only some ranks
+        # reach would otherwise pair with another rank's DDP all-reduce, and gloo aborts the
+        # process on the size mismatch; measured: torch 2.13).
+        cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     except Exception as err:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -284,8 +430,16 @@ def init(
             f"and MASTER_PORT={env.master_port}."
         ) from err
     _runtime = _Runtime(
-        env, chosen, dev, timeout, dist.PrefixStore("distkit/", store), cpu_group, owns_group=True
+        env,
+        chosen,
+        dev,
+        timeout,
+        dist.PrefixStore("distkit/", job_store),
+        cpu_group,
+        owns_group=True,
+        hang_timeout_s=hang,
     )
+    _start_doctor(_runtime, hang)
     if not _atexit_registered:
         # torch warns at exit when a group was never destroyed; users should not have to care.
         atexit.register(shutdown)
@@ -293,11 +447,38 @@ def init(
     return env
 
 
+def _start_doctor(runtime: _Runtime, hang: float | str | None) -> None:
+    """Start the hang doctor of a job of several processes (see docs/debugging.md)."""
+    runtime.hang_timeout_s = hang
+    if runtime.store is None or runtime.env.world_size < 2:
+        return
+    group = runtime.cpu_group if runtime.cpu_group is not None else dist.distributed_c10d._get_default_group()
+    doctor = _hang.Doctor(
+        store=runtime.store,
+        rank=runtime.env.rank,
+        world_size=runtime.env.world_size,
+        counters=runtime.counters,
+        helper_group=group,
+        helper_group_name=dist.distributed_c10d._world.pg_names.get(group),
+        hosts_store=runtime.owns_group and runtime.env.rank == 0 and not runtime.env.agent_store,
+    )
+    doctor.start()
+    runtime.doctor = doctor
+    if not runtime.owns_group:
+        # shutdown() is registered at exit only for groups distkit made; the doctor's threads must
+        # stop (and this rank say it left) for an adopted group too.
+        atexit.register(doctor.stop)
+    if hang is not None:
+        doctor.configure(hang)
+
+
 def shutdown() -> None:
     """Tear down what :func:`init` set up.
 
-    Local: no communication (so it cannot hang on a dead peer). Idempotent; a group created by
-    someone else than distkit is left as it was. Registered to run at exit by :func:`init`.
+    Local: no communication (so it cannot hang on a dead peer); one store write tells the other
+    ranks that this one has left, so that a barrier waiting for it says so at once. Idempotent; a
+    group created by someone else than distkit is left as it was. Registered to run at exit by
+    :func:`init`.
 
     Example:
         >>> import distkit
@@ -306,6 +487,8 @@ def shutdown() -> None:
     """
     global _runtime
     runtime, _runtime = _runtime, None
+    if runtime is not None and runtime.doctor is not None:
+        runtime.doctor.stop()
     if runtime is not None and runtime.owns_group and dist.is_initialized():
         dist.destroy_process_group()
         # A DDP reducer or pending gloo work in a reference cycle keeps the C++ group alive until
@@ -536,13 +719,18 @@ def barrier(timeout_s: float | None = None) -> None:
     Collective: call on every rank. Without a process group it returns at once.
 
     The barrier runs through the job's key-value store, so every waiting rank (not only rank 0, as
-    with gloo's monitored barrier) learns which ranks are missing, on every backend.
+    with gloo's monitored barrier) learns which ranks are missing, on every backend. A barrier still
+    waiting after a second asks where the missing ranks are: one that waits in another collective,
+    or has already left the job (its script ended), can never arrive, and the barrier raises
+    :class:`~distkit.CollectiveMismatchError` at once instead of waiting for its deadline.
 
     Args:
         timeout_s: Deadline in seconds; the process group's timeout when ``None``.
 
     Raises:
         CollectiveTimeoutError: Some rank did not arrive in time; ``missing_ranks`` lists them.
+        CollectiveMismatchError: Some rank can never arrive (it waits elsewhere, or has left);
+            ``missing_ranks`` lists them and the message says where they are.
 
     Example:
         >>> import distkit
@@ -561,29 +749,96 @@ def barrier(timeout_s: float | None = None) -> None:
         return
     generation = runtime.next_id("barrier")
     env, store = runtime.env, runtime.store
-    keys = [f"barrier/{generation}/{rank}" for rank in range(env.world_size)]
-    store.set(keys[env.rank], b"1")
+    # Each rank counts itself in; the last one releases everyone through one key per rank, which only
+    # it and the rank's own hang check (to abort the wait) ever write. Two store round trips for a
+    # rank that waits, as many as waiting on every rank's arrival key.
+    prefix = f"barrier/{generation}"
+    release = f"{prefix}/release/{env.rank}"
+    if int(store.add(f"{prefix}/count", 1)) == env.world_size:
+        ranks = range(env.world_size)
+        store.multi_set([f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * env.world_size)
+        store.delete_key(f"{prefix}/count")
+    doctor = _doctor(runtime)
+    token, errors = doctor.watch_barrier(generation, release) if doctor is not None else (None, [])
+    start = time.monotonic()
     try:
-        store.wait(keys, timedelta(seconds=timeout))
+        _wait_released(store, release, timeout)
     except RuntimeError as err:  # DistStoreError on timeout
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        if not missing:  # everyone arrived just as the deadline passed
-            _cleanup_barrier(store, env.rank, generation)
+        if store.check([release]):  # released just as the deadline passed
+            store.delete_key(release)
             return
+        missing = _missing_from_barrier(runtime, generation)
+        late = f"rank(s) {missing}" if missing is not None else "some rank(s)"
         raise CollectiveTimeoutError(
             f"[rank {env.rank}/{env.world_size}] barrier timed out after {timeout:g} s: "
-            f"rank(s) {missing} did not arrive. A rank that is alive but never arrives is usually "
+            f"{late} did not arrive. A rank that is alive but never arrives is usually "
             f"stuck elsewhere (a different code path, a data-loader hang, one collective too many).",
             missing_ranks=missing,
             timeout_s=timeout,
         ) from err
-    _cleanup_barrier(store, env.rank, generation)
+    finally:
+        if doctor is not None and token is not None:
+            doctor.unwatch_barrier(token)
+    if errors:
+        raise errors[0]
+    store.delete_key(release)
+    if doctor is not None and time.monotonic() - start > _hang.FIRST_CHECK_S:
+        doctor.finish_slow(f"b{generation}")
 
 
-def _cleanup_barrier(store: dist.Store, rank: int, generation: int) -> None:
-    # Passing generation g proves every rank passed g - 1, so nobody still waits on g - 2's keys.
-    if generation > 2:
-        store.delete_key(f"barrier/{generation - 2}/{rank}")
+def _wait_released(store: dist.Store, key: str, timeout: float) -> None:
+    # Its own function: the hang doctor recognises a rank waiting in a barrier by this frame.
+    store.wait([key], timedelta(seconds=timeout))
+
+
+def _missing_from_barrier(runtime: _Runtime, generation: int) -> list[int] | None:
+    """The ranks that are not in barrier ``generation``, as their answers (or silence) tell."""
+    doctor = _doctor(runtime)
+    if doctor is None:
+        return None
+    try:
+        answers = doctor.ask(doctor.store, "where", wait_s=2.0)
+    except RuntimeError:
+        return None
+    # A rank counts itself into barrier g when it enters it, so a count >= g means it arrived.
+    return [
+        rank
+        for rank in range(runtime.env.world_size)
+        if rank != runtime.env.rank and int(answers.get(rank, {}).get("barrier", 0)) < generation
+    ]
+
+
+def _watch_fit(trainer: Any, hang_timeout_s: float | str | None, run_dir: Any) -> Callable[[], None]:
+    """Point the hang doctor at a Trainer's fit (this thread, its step, its directory).
+
+    ``"auto"`` keeps what ``init(hang_timeout_s=...)`` or ``DISTKIT_HANG_TIMEOUT_S`` asked for, and
+    else watches with the adaptive timeout. Returns what puts the previous settings back.
+    """
+    doctor = _doctor()
+    if doctor is None:
+        return lambda: None
+    if hang_timeout_s == "auto":
+        asked = _runtime.hang_timeout_s if _runtime is not None else None
+        timeout = asked if asked is not None else _hang.timeout_for_trainer("auto")
+    else:
+        timeout = hang_timeout_s
+    return doctor.configure(timeout, run_dir=run_dir, trainer=trainer, watched=threading.get_ident())
+
+
+def _on_collective_failure(err: BaseException) -> None:
+    """A collective of the watched thread raised: the hang doctor reports and exits if it is on and
+    a rank is gone; otherwise nothing happens and the caller re-raises."""
+    doctor = _doctor()
+    if doctor is not None:
+        doctor.on_failure(err)
+
+
+def _doctor(runtime: _Runtime | None = None) -> _hang.Doctor | None:
+    """This process's hang doctor, when it can ask the other ranks (a job of several processes)."""
+    runtime = runtime if runtime is not None else _runtime
+    if runtime is None or runtime.doctor is None or not runtime.doctor.available:
+        return None
+    return runtime.doctor
 
 
 def _monitored_barrier(runtime: _Runtime, timeout: float) -> None:

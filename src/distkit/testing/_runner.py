@@ -32,6 +32,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from distkit import _hang
 from distkit.errors import DistkitError
 from distkit.testing import _worker
 
@@ -67,6 +68,8 @@ _CHECK_TIMEOUT_S = 10.0
 
 # Frames of this file end the interesting part of a rank's stack.
 _WORKER_FRAME = f'File "{_worker.__file__}"'
+# The hang doctor's threads (docs/debugging.md) wait in this file; a hang's dump leaves them out.
+_DOCTOR_FRAME = f'File "{_hang.__file__}"'
 
 _FailureKind = Literal["exception", "exit", "timeout", "killed", "unmatched"]
 
@@ -161,8 +164,8 @@ def _tidy_stack(dump: str) -> str:
     """Keep what a reader needs from a faulthandler dump: the user's frames, thread by thread."""
     blocks: list[str] = []
     for block in dump.strip().split("\n\n"):
-        if "in _watch_parent" in block:
-            continue  # the rank's own parent-watch thread, always idle
+        if "in _watch_parent" in block or _DOCTOR_FRAME in block:
+            continue  # the rank's own parent-watch thread, and the hang doctor's threads: always idle
         kept: list[str] = []
         for line in block.splitlines():
             # Frames below the task (the rank's loop, multiprocessing, the forkserver) are the

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import runtime
+from distkit._hang import check_timeout
 from distkit._secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, ResumeState, load_checkpoint
 from distkit.collectives import all_gather_object, all_reduce, any_rank, reduce_metrics
@@ -406,6 +407,12 @@ class Trainer:
             default seed (``seed_everything``'s, else 0).
         max_consecutive_nonfinite: Consecutive optimizer steps with a non-finite loss or gradient
             norm (skipped on every rank) after which ``fit`` raises.
+        hang_timeout_s: The hang doctor's watchdog during ``fit`` (several processes only; see
+            ``docs/debugging.md``): when a rank has waited in a collective this many seconds, one
+            rank prints where every rank is (and writes it to ``default_root_dir``) and every rank
+            exits with code 124. ``"auto"`` (the default): ``DISTKIT_HANG_TIMEOUT_S`` when set,
+            else the setting of an earlier ``distkit.init(hang_timeout_s=...)``, else ten times the
+            slowest step seen so far and never less than five minutes. ``None`` or 0: off.
 
     Attributes:
         global_step: Optimizer steps taken or skipped so far.
@@ -447,6 +454,7 @@ class Trainer:
     resume: str | None
     seed: int | None
     max_consecutive_nonfinite: int
+    hang_timeout_s: float | str | None
 
     # What fit() set up: the user's objects, this process's device and the job's size.
     model: nn.Module | None
@@ -486,6 +494,7 @@ class Trainer:
         resume: str | os.PathLike[str] | None = None,
         seed: int | None = None,
         max_consecutive_nonfinite: int = 5,
+        hang_timeout_s: float | str | None = "auto",
     ) -> None:
         self.strategy = strategies.check_strategy(strategy)
         self.devices = strategies.check_devices(devices)
@@ -539,6 +548,7 @@ class Trainer:
         self.seed = seed
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.enable_progress_bar = enable_progress_bar
+        self.hang_timeout_s = check_timeout(hang_timeout_s)
 
         given = list(callbacks or [])
         for cb in given:
@@ -630,6 +640,8 @@ class Trainer:
         # This optimizer step is a logging step whose metrics are not logged yet (between the
         # step-end callbacks and the log): a checkpoint saved then logs them first.
         self._log_pending = False
+        # Puts the hang doctor's settings back as they were before this fit() (see _setup).
+        self._restore_hang: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------------------------------
     # Read-only views for callbacks
@@ -762,6 +774,9 @@ class Trainer:
             finally:
                 self._restore_preemption_handler(previous_handler)
         except BaseException as err:
+            # A collective that failed because a rank is gone: with the hang doctor on, one report
+            # of where every rank is, and every rank exits (docs/debugging.md); else it goes on.
+            runtime._on_collective_failure(err)
             # A failed fit lets go of the checkpoint directory now, without waiting on ranks that
             # may be gone (a successful one closes it in ModelCheckpoint.on_fit_end).
             checkpoint = self._checkpoint_callback()
@@ -769,6 +784,9 @@ class Trainer:
                 checkpoint.manager.__exit__(type(err), err, err.__traceback__)
             raise
         finally:
+            if self._restore_hang is not None:
+                self._restore_hang()
+                self._restore_hang = None
             for cb in self._active_callbacks:
                 if isinstance(cb, _ProgressBar):
                     cb.close()
@@ -790,6 +808,9 @@ class Trainer:
             local_rank = runtime.get_env().local_rank
             explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
             runtime.init(plan.ddp.backend, timeout_s=plan.ddp.timeout_s, device=explicit)
+            # From here on a rank that waits too long is reported (the set-up's own collectives
+            # included: the checkpoint claim, the resume's gathers).
+            self._restore_hang = runtime._watch_fit(self, self.hang_timeout_s, self.default_root_dir)
         self.world_size = runtime.get_world_size()
         self.device = plan.device()
         if self.seed is not None:

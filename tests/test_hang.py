@@ -1,0 +1,498 @@
+"""The hang doctor (docs/debugging.md): stuck jobs reported once, naming the odd rank, its file and
+line, then every rank exits; no false alarms; distkit's collectives called by some ranks only raise
+at once; the known bounded waits (a taken MASTER_PORT, a rank that left, an invalid metric)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distkit
+import distkit.trainer.trainer as trainer_module
+import hang_scenarios as scenarios
+from distkit import HANG_EXIT_CODE
+from distkit.checkpoint import CheckpointManager, ResumeState
+from distkit.testing import RankFailedError, RankPools
+from hang_scenarios import CASES, line_of
+
+# Small, so that each stuck job ends in seconds; the reports must come within this + 10 s.
+HANG_S = 2.0
+HEADER = "Where each rank is:"
+ROW = re.compile(r"^  ranks \[([\d, ]+)\]   ")  # a report's row: "  ranks [0, 2]   waiting in ..."
+SCENARIOS = Path(scenarios.__file__).name
+
+
+@pytest.fixture(scope="module")
+def pools():
+    # Ranks that end by themselves (the doctor's exit, a dead rank) need time to do so: the session's
+    # pools kill the other ranks 3 s after the first one ends.
+    with RankPools(grace_s=20) as own:
+        yield own
+
+
+def _line_in(path: str, text: str, *, after: str = "") -> int:
+    """The one line of ``path`` holding ``text`` (after the line holding ``after``)."""
+    lines = Path(path).read_text().splitlines()
+    start = next(number for number, line in enumerate(lines, start=1) if after in line) if after else 0
+    matches = [number for number, line in enumerate(lines, start=1) if number > start and text in line]
+    return matches[0]
+
+
+def _at(marker: str) -> str:
+    return f"{SCENARIOS}:{line_of(marker)}"
+
+
+def _trainer_at(text: str, *, after: str = "") -> str:
+    return f"distkit/trainer/trainer.py:{_line_in(trainer_module.__file__, text, after=after)}"
+
+
+def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], str, str]]:
+    """Per group of ranks: the ranks, what the report says they do, and where."""
+    last = world_size - 1
+    rest0 = list(range(1, world_size))
+    rest_last = list(range(last))
+    ddp = "waiting in DistributedDataParallel backward all-reduce"
+    if kind == "loop":
+        backward = _at("extra_batch")  # the loop's loss.backward()
+        table = {
+            "barrier_on_rank_0": [([0], "waiting in distkit.barrier", _at(case)), (rest0, ddp, backward)],
+            "save_on_rank_0": [
+                ([0], "waiting in distkit.CheckpointManager.save -> all_gather_object", _at(case)),
+                (rest0, ddp, backward),
+            ],
+            "extra_batch": [
+                ([0], ddp, backward),
+                (rest0, "waiting in distkit.reduce_metrics", _at("extra_batch_other")),
+            ],
+            "different_order": [
+                ([0], "waiting in torch.distributed.all_reduce", _at(case)),
+                (rest0, "waiting in torch.distributed.broadcast", _at("different_order_other")),
+            ],
+            "stuck_in_user_code": [([last], "busy in user code", _at(case)), (rest_last, ddp, backward)],
+            "dead_rank": [
+                ([last], "gone: ", ""),
+                (rest_last, "DistributedDataParallel backward all-reduce", backward),
+            ],
+        }
+    else:
+        backward = _trainer_at("precision.backward(scaled)")
+        table = {
+            "barrier_on_rank_0": [
+                ([0], "waiting in distkit.barrier", _at("trainer_barrier_on_rank_0")),
+                (rest0, ddp, backward),
+            ],
+            "save_on_rank_0": [
+                (
+                    [0],
+                    "waiting in distkit.CheckpointManager.save -> all_gather_object",
+                    _at("trainer_save_on_rank_0"),
+                ),
+                (rest0, ddp, backward),
+            ],
+            "extra_batch": [
+                ([0], ddp, backward),
+                (
+                    rest0,
+                    "waiting in distkit.reduce_metrics",
+                    _trainer_at("reduce_metrics(local)", after="def _end_epoch"),
+                ),
+            ],
+            "different_order": [
+                ([0], "waiting in distkit.all_gather_object", _at("trainer_different_order")),
+                (rest0, "waiting in distkit.broadcast_object", _at("trainer_different_order_other")),
+            ],
+            "stuck_in_user_code": [
+                ([last], "busy in user code", _at("trainer_stuck_in_user_code")),
+                (rest_last, ddp, backward),
+            ],
+            "dead_rank": [
+                ([last], "gone: ", ""),
+                (rest_last, "DistributedDataParallel backward all-reduce", backward),
+            ],
+        }
+    return table[case]
+
+
+def deadlock(case: str, kind: str, run_dir: str, hang_timeout_s: float) -> str:
+    if kind == "loop":
+        # As a script's top level would: an uncaught error goes to sys.excepthook (where the doctor
+        # hears of a collective that failed because a rank died).
+        return scenarios.run_as_a_script(scenarios.hand_loop, case, run_dir, hang_timeout_s)  # type: ignore[return-value]
+    return scenarios.trainer_loop(case, run_dir, hang_timeout_s)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["loop", "trainer"])
+@pytest.mark.parametrize("case", CASES)
+def test_each_classic_deadlock_is_reported_once_naming_rank_file_and_line_then_every_rank_exits(
+    pools: RankPools,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    kind: str,
+    world_size: int,
+) -> None:
+    run_dir = str(tmp_path)
+    with pytest.raises(RankFailedError) as caught:
+        pools.run(
+            deadlock,
+            case,
+            kind,
+            run_dir,
+            HANG_S,
+            world_size=world_size,
+            fresh=True,
+            init=False,
+            env={"DISTKIT_RUN_DIR": run_dir},
+            timeout_s=HANG_S + 30,
+        )
+    # Every rank ended by itself with a non-zero code: the doctor's, or the dead rank's own.
+    failures = {f.rank: f for f in caught.value.failures}
+    assert sorted(failures) == list(range(world_size)), str(caught.value)
+    for rank, failure in failures.items():
+        assert failure.kind == "exit", str(caught.value)
+        if case == "dead_rank" and rank == world_size - 1:
+            assert failure.exitcode in (3, -9)
+        else:
+            assert failure.exitcode == HANG_EXIT_CODE, str(caught.value)
+    # One report, from one rank, also written to the run directory, within hang_timeout_s + 10 s.
+    stderr = capsys.readouterr().err
+    assert stderr.count(HEADER) == 1, stderr
+    files = list(tmp_path.glob("distkit-hang-report-*.txt"))
+    assert len(files) == 1, files
+    report = files[0].read_text()
+    started = min(float(path.read_text()) for path in tmp_path.glob("bad-step-*.txt"))
+    assert files[0].stat().st_mtime - started < HANG_S + 10
+    lines = report.split("\n\n")[0].splitlines()
+    table = {line: [int(r) for r in m.group(1).split(",")] for line in lines if (m := ROW.match(line))}
+    for ranks, state, where in _expected(case, kind, world_size):
+        if case == "dead_rank":
+            # The survivors may be asked while their own collective still waits, or after it failed:
+            # each one's row, grouped with whoever was in the same state at the same place.
+            rows = [[line for line, group in table.items() if r in group] for r in ranks]
+        else:
+            rows = [[line for line, group in table.items() if group == ranks]]
+        for row in rows:
+            assert len(row) == 1, (ranks, report)
+            assert state in row[0] and where in row[0], (state, where, report)
+            assert row[0] in stderr
+    odd = _expected(case, kind, world_size)[0][0][0]
+    words = "ended while the others wait" if case == "dead_rank" else "not where"
+    assert any(words in line and f"rank {odd} " in line for line in lines), report
+
+
+# -- no false alarms ------------------------------------------------------------------------------
+
+
+def uneven_but_healthy_loop(hang_timeout_s: float) -> int:
+    """Steps of varying length, every wait shorter than the timeout, and long steps that compute."""
+    distkit.init("gloo", hang_timeout_s=hang_timeout_s)
+    rank = distkit.get_rank()
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    # Per step, how long each rank computes before its collectives: a slow first step on every rank
+    # (longer than the timeout, as torch.compile's is), then rank 0 later than the others by up to
+    # 0.8 x the timeout, in DDP's all-reduce and in distkit's collectives.
+    delays = [(1.3, 1.3), (0.8, 0.0), (0.0, 0.4), (0.5, 0.0)]
+    for step, per_rank in enumerate(delays):
+        time.sleep(per_rank[min(rank, 1)] * hang_timeout_s)
+        model(torch.ones(2, 4)).sum().backward()
+        if step == 2:
+            time.sleep(0.8 * hang_timeout_s if rank == 0 else 0.0)  # rank 0 "evaluates"
+            distkit.reduce_metrics({"loss": 1.0})
+            distkit.barrier()
+    return len(delays)
+
+
+def test_a_healthy_run_with_uneven_and_slow_steps_never_reports(pools: RankPools, tmp_path: Path) -> None:
+    results = pools.run(
+        uneven_but_healthy_loop,
+        HANG_S,
+        world_size=2,
+        fresh=True,
+        init=False,
+        env={"DISTKIT_RUN_DIR": str(tmp_path)},
+        timeout_s=120,
+    )
+    assert results == [4, 4]
+    assert not list(tmp_path.glob("distkit-hang-report-*.txt"))
+
+
+class _UnevenModel(nn.Module):
+    """Rank 0's steps are slower than the others' by less than the timeout; the first is slow
+    everywhere; rank 0's validation is slower too."""
+
+    def __init__(self, hang_timeout_s: float) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+        self.hang_timeout_s = hang_timeout_s
+        self.steps = 0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        first = self.steps == 1
+        time.sleep(self.hang_timeout_s * (1.3 if first else 0.7 if distkit.get_rank() == 0 else 0.0))
+        inputs, target = batch
+        return nn.functional.cross_entropy(self(inputs), target)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, object]:
+        # 4 batches: rank 0's validation ends 0.8 x the timeout after the others'.
+        time.sleep(0.2 * self.hang_timeout_s if distkit.get_rank() == 0 else 0.0)
+        inputs, target = batch
+        return {"val_loss": nn.functional.cross_entropy(self(inputs), target)}
+
+
+def uneven_but_healthy_fit(run_dir: str, hang_timeout_s: float) -> int:
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = distkit.Trainer(
+        strategy="ddp",
+        max_epochs=1,
+        batch_size=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=run_dir,
+        hang_timeout_s=hang_timeout_s,
+    )
+    trainer.fit(_UnevenModel(hang_timeout_s), data, data, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    return trainer.global_step
+
+
+def test_a_healthy_fit_with_uneven_and_slow_steps_never_reports(pools: RankPools, tmp_path: Path) -> None:
+    results = pools.run(
+        uneven_but_healthy_fit, str(tmp_path), HANG_S, world_size=2, fresh=True, init=False, timeout_s=120
+    )
+    assert results == [4, 4]
+    assert not list(tmp_path.glob("distkit-hang-report-*.txt"))
+
+
+# -- distkit's collectives called by some ranks only, without any watchdog -----------------------
+
+ALONE = {
+    "barrier": lambda run_dir: distkit.barrier(),
+    "reduce_metrics": lambda run_dir: distkit.reduce_metrics({"loss": 1.0}),
+    "all_gather_object": lambda run_dir: distkit.all_gather_object("x"),
+    "broadcast_object": lambda run_dir: distkit.broadcast_object("x"),
+    "all_gather": lambda run_dir: distkit.all_gather(torch.ones(2)),
+    "any_rank": lambda run_dir: distkit.any_rank(True),
+    "CheckpointManager.save": lambda run_dir: CheckpointManager(run_dir, overwrite=True).save(
+        0, {"progress": ResumeState()}
+    ),
+}
+
+
+def call_on_rank_0_only(helper: str, run_dir: str) -> tuple[float, str, list[int]] | None:
+    distkit.init("gloo", hang_timeout_s=0)  # the watchdog off, whatever the environment says
+    result = None
+    if distkit.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            ALONE[helper](run_dir)
+        except distkit.CollectiveMismatchError as err:
+            result = (time.monotonic() - start, str(err), err.missing_ranks)
+    dist.barrier()  # the other ranks wait here, in another collective; rank 0 joins them after
+    return result
+
+
+@pytest.mark.parametrize("helper", sorted(ALONE))
+def test_a_distkit_collective_called_on_rank_0_only_raises_at_once_naming_the_others_and_the_rule(
+    pools: RankPools, tmp_path: Path, helper: str
+) -> None:
+    world_size = 3 if helper == "barrier" else 2
+    results = pools.run(
+        call_on_rank_0_only,
+        helper,
+        str(tmp_path),
+        world_size=world_size,
+        fresh=True,
+        init=False,
+        timeout_s=60,
+    )
+    assert results[1:] == [None] * (world_size - 1)
+    assert results[0] is not None, "rank 0 did not raise"
+    elapsed, message, missing = results[0]
+    assert missing == list(range(1, world_size))
+    assert elapsed < 10, elapsed  # seconds, not the process group's 10 minutes
+    where = f"test_hang.py:{_line_in(__file__, 'dist.barrier()  # the other ranks wait here')}"
+    assert message.startswith("[rank 0/"), message
+    assert "waiting in torch.distributed.barrier" in message and where in message, message
+    assert "which can never arrive" in message and "call it on every rank" in message, message
+    assert helper.split(".")[-1] in message or helper in message, message
+
+
+def barrier_after_a_rank_left() -> tuple[float, str] | None:
+    distkit.init("gloo", hang_timeout_s=0)
+    if distkit.get_rank() == 1:
+        distkit.shutdown()  # as at the end of its script
+        return None
+    start = time.monotonic()
+    try:
+        distkit.barrier(timeout_s=60)
+    except distkit.CollectiveMismatchError as err:
+        return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "passed"
+
+
+def test_a_barrier_after_a_rank_left_says_so_at_once(pools: RankPools) -> None:
+    results = pools.run(barrier_after_a_rank_left, world_size=2, fresh=True, init=False, timeout_s=60)
+    elapsed, message = results[0]
+    assert "rank 1 has left the job: distkit.shutdown() ran there" in message, message
+    assert elapsed < 10, elapsed
+
+
+def reduce_with_a_bad_value_on_rank_1(bad: str) -> tuple[str, str, float]:
+    value: object = 0.5
+    if distkit.get_rank() == 1:
+        value = "high" if bad == "str" else torch.tensor([1.0, 2.0])
+    start = time.monotonic()
+    try:
+        distkit.reduce_metrics({"loss": 1.0, "acc": value})  # type: ignore[dict-item]
+    except Exception as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return "none", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("bad", ["str", "two-element tensor"])
+def test_a_metric_invalid_on_one_rank_makes_every_rank_raise_at_once(ranks, bad: str) -> None:
+    (kind0, message0, elapsed0), (kind1, message1, _) = ranks.run(
+        reduce_with_a_bad_value_on_rank_1, bad, timeout_s=60
+    )
+    assert kind1 == ("TypeError" if bad == "str" else "ValueError"), message1
+    assert kind0 == "DistkitError", message0
+    shown = "'high'" if bad == "str" else "[1.0, 2.0]"
+    assert "invalid arguments on rank(s) [1]" in message0 and "'acc'" in message0 and shown in message0, (
+        message0
+    )
+    assert shown in message1
+    assert elapsed0 < 10
+
+
+# -- MASTER_PORT taken: every rank fails within timeout_s, naming the port ---------------------
+
+
+def init_and_say(timeout_s: float, hold_s: float = 0.0) -> tuple[float, str]:
+    start = time.monotonic()
+    try:
+        distkit.init("gloo", timeout_s=timeout_s)
+    except distkit.DistkitError as err:
+        return time.monotonic() - start, str(err)
+    time.sleep(hold_s)
+    ranks = distkit.all_gather_object(distkit.get_rank())  # this job still works
+    distkit.shutdown()
+    return time.monotonic() - start, f"joined {ranks}"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rank_0_hosts(port: int) -> dict[str, str]:
+    # The store on MASTER_PORT is rank 0's (as with hand-set variables or srun), not the launcher's.
+    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def test_a_port_held_by_another_program_fails_every_rank_within_timeout_naming_the_port(
+    pools: RankPools,
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        results = pools.run(
+            init_and_say, 3.0, world_size=2, fresh=True, init=False, env=_rank_0_hosts(port), timeout_s=60
+        )
+    for elapsed, message in results:
+        assert f"MASTER_PORT={port}" in message and "torchrun --standalone" in message, message
+        assert elapsed < 3.0 + 2, elapsed
+
+
+def test_a_port_of_another_distkit_job_is_never_joined(pools: RankPools) -> None:
+    port = _free_port()
+    first: list[object] = []
+    holder = threading.Thread(
+        target=lambda: first.append(
+            pools.run(init_and_say, 30.0, 6.0, world_size=2, fresh=True, init=False, env=_rank_0_hosts(port))
+        )
+    )
+    holder.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the first job's rank 0 hosts its store
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    time.sleep(1.0)
+    try:
+        for world_size, words in ((2, "is already taken"), (3, "belongs to another job")):
+            results = pools.run(
+                init_and_say, 30.0, world_size=world_size, fresh=True, init=False, env=_rank_0_hosts(port)
+            )
+            assert "is already in use" in results[0][1]
+            for elapsed, message in results[1:]:
+                assert f"MASTER_PORT={port}" in message and words in message, message
+                assert elapsed < 5, elapsed  # at once, not after timeout_s
+    finally:
+        holder.join(60)
+    assert first and [message for _, message in first[0]] == ["joined [0, 1]"] * 2  # type: ignore[index]
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+def test_hang_timeout_settings_are_checked_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="hang_timeout_s must be a number of seconds, 'auto' or None"):
+        distkit.Trainer(max_steps=1, hang_timeout_s="soon")
+    with pytest.raises(ValueError, match=r"hang_timeout_s must be a finite number of seconds >= 0"):
+        distkit.Trainer(max_steps=1, hang_timeout_s=-1)
+    monkeypatch.setenv("DISTKIT_HANG_TIMEOUT_S", "ten")
+    distkit.shutdown()
+    with pytest.raises(ValueError, match="DISTKIT_HANG_TIMEOUT_S='ten' is not a number of seconds"):
+        distkit.init()
+    monkeypatch.setenv("DISTKIT_HANG_TIMEOUT_S", "30")
+    distkit.init()  # a world of one: accepted, and nothing can hang
+    distkit.shutdown()
+
+
+# -- a real script, launched by hand ---------------------------------------------------------------
+
+
+def test_a_real_script_reports_a_dead_rank_through_its_excepthook(tmp_path: Path) -> None:
+    """Two plain processes (rank 0 hosts the store, as with srun or hand-set variables): rank 1
+    dies, rank 0's DDP all-reduce fails, the uncaught error reaches the doctor's excepthook."""
+    port = _free_port()
+    script = Path(scenarios.__file__)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM", "OMPI", "PMI"))}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env.update(DISTKIT_HANG_TIMEOUT_S=str(HANG_S))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "dead_rank", "loop", str(tmp_path)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [HANG_EXIT_CODE, 3], outputs
+    assert outputs[0].count(HEADER) == 1 and HEADER not in outputs[1], outputs
+    report = outputs[0][outputs[0].index("distkit: a collective failed") :]
+    assert "ranks [1]   gone: its process" in report, report
+    assert "failed in DistributedDataParallel backward all-reduce: RuntimeError" in report, report
+    assert _at("extra_batch") in report, report
