@@ -944,9 +944,9 @@ def test_profile_accepts_a_torch_dataloader_and_needs_two_batches() -> None:
         distkit.profile_dataloader(loader, num_batches=1)
 
 
-def test_pin_memory_defaults_to_off_on_cpu_and_types_are_torch_compatible() -> None:
+def test_pin_memory_defaults_to_whether_cuda_is_there_and_types_are_torch_compatible() -> None:
     loader = distkit.distributed_dataloader(list(range(4)), 2)
-    assert isinstance(loader, DistributedLoader) and loader.pin_memory is False
+    assert isinstance(loader, DistributedLoader) and loader.pin_memory is torch.cuda.is_available()
     assert isinstance(distkit.distributed_sampler(list(range(4))), DistributedSplitSampler)
     assert isinstance(distkit.distributed_sampler(list(range(4))), torch.utils.data.DistributedSampler)
 

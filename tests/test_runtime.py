@@ -49,13 +49,43 @@ def test_world_of_one_queries_before_and_after_init(clean_env: pytest.MonkeyPatc
     assert (distkit.get_rank(), distkit.get_world_size(), distkit.is_main_process()) == (0, 1, True)
     env = distkit.init()
     assert env.launcher == "none" and not distkit.is_distributed()
-    assert distkit.get_device() == torch.device("cpu")
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert distkit.get_device() == expected
     assert distkit.init() is env  # idempotent
     assert distkit.reduce_metrics({"a": 2, "b": (3, 4)}) == {"a": 2.0, "b": 0.75}
     distkit.barrier(timeout_s=1)
     distkit.shutdown()
     distkit.shutdown()
     assert not distkit.is_initialized()
+
+
+def test_a_launched_world_of_one_gets_a_process_group_for_torch_distributed_calls(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    # torchrun --nproc_per_node=1 sets these: user code calls torch.distributed and wraps DDP itself.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        clean_env.setenv(name, value)
+    clean_env.setenv("MASTER_PORT", str(port))
+    env = distkit.init(timeout_s=30)
+    assert env.launcher == "env" and torch.distributed.is_initialized()
+    t = torch.ones(2, device=distkit.get_device())  # NCCL where a GPU is, gloo on CPU
+    torch.distributed.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0] and distkit.reduce_metrics({"a": 3}) == {"a": 3.0}
+    distkit.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_world_of_one_without_a_rendezvous_address_gets_no_process_group(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    distkit.init()
+    assert distkit.is_initialized() and not torch.distributed.is_initialized()
+    assert distkit.reduce_metrics({"a": 3}) == {"a": 3.0}
 
 
 def test_import_has_no_side_effects() -> None:

@@ -110,6 +110,27 @@ def _default_device(env: LaunchEnv) -> torch.device:
     )
 
 
+def _check_one_gpu_per_process(env: LaunchEnv, backend: str, device: object) -> None:
+    # Several processes of a node on its one GPU: NCCL refuses them with a bare "invalid usage"
+    # (measured: NCCL 2.28, "Duplicate GPU detected"). One visible GPU per process is fine when the
+    # launcher bound it (srun --gpus-per-task=1 sets CUDA_VISIBLE_DEVICES per rank).
+    if (
+        backend != "nccl"
+        or device is not None
+        or env.local_world_size < 2
+        or torch.cuda.device_count() != 1
+        or os.environ.get("CUDA_VISIBLE_DEVICES")
+    ):
+        return
+    raise DistkitError(
+        f"[rank {env.rank}/{env.world_size}] this node runs {env.local_world_size} processes but sees "
+        f"1 GPU, and NCCL needs a GPU of its own for every process. Start one process per GPU "
+        f"(torchrun --nproc_per_node=1), bind one GPU to each process (CUDA_VISIBLE_DEVICES), or "
+        f"run the processes on the CPU: distkit.init(device='cpu'), or CUDA_VISIBLE_DEVICES='' for "
+        f"the whole job."
+    )
+
+
 def _resolve_device(env: LaunchEnv, device: str | torch.device | None) -> torch.device:
     if device is None:
         return _default_device(env)
@@ -318,6 +339,8 @@ def init(
     Collective: call on every rank. Idempotent: a second call returns the same :class:`LaunchEnv`
     when its settings agree with the first (``None`` agrees with anything) and raises otherwise.
     Without a launcher it creates no process group; every helper then acts on a world of one.
+    Under torchrun, or with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set by hand, it creates one even
+    for a single process, so that ``torch.distributed`` calls and DDP work as they would on more.
 
     Picks ``nccl`` when this rank has a CUDA device, else ``gloo``; selects the CUDA device of the
     local rank; initialises NCCL eagerly so that the first collective already obeys the timeout.
@@ -393,11 +416,15 @@ def init(
     dev = _resolve_device(env, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if not env.is_distributed:
+    # torchrun --nproc_per_node=1 (or RANK/WORLD_SIZE/MASTER_* set by hand) still gets a process
+    # group: its users call torch.distributed and wrap DDP themselves. A plain `python` run, or one
+    # task of SLURM or MPI with no rendezvous address of its own, is a world of one with no group.
+    if not env.is_distributed and (env.launcher not in ("torchrun", "env") or env.master_addr is None):
         _runtime = _Runtime(env, backend, dev, timeout, hang_timeout_s=hang)
         return env
 
     chosen = _resolve_backend(backend, dev)
+    _check_one_gpu_per_process(env, chosen, device)
     # Every key of this job lives under its own namespace: torchrun keeps one store across restarts
     # of the workers (keys of an earlier attempt, gloo's addresses, barrier arrivals, must not be
     # read by this one, as torch's own rendezvous does), and a job whose MASTER_PORT another job's
