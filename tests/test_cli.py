@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import distkit
+from distkit import cli
+from distkit.bench import _command, _load
 from distkit.bench.runner import BenchRow
 from distkit.cli import collect_env, main
 
@@ -116,44 +121,103 @@ def test_env_text_output_has_every_section(
         assert section in out, section
 
 
-def test_bench_on_the_tiny_preset_writes_csv_plots_and_a_recommendation(tmp_path: Path) -> None:
+SEED_000 = ("--strategies", "dp", "ddp", "--gpus", "1", "2", "4", "--batch-sizes", "64", "128", "256")
+
+
+def test_seed_000s_command_in_a_pipe_logs_one_line_per_run_and_never_recommends_oversubscription(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "bench"
-    result = _run(
-        "bench", "--model", "tiny", "--strategies", "single", "dp", "ddp", "--world-sizes", "2",
-        "--batch-sizes", "16", "--steps", "3", "--warmup-steps", "1", "--min-time-s", "0", "--out", str(out),
-        "--json",
-    )  # fmt: skip
+    fast = ("--steps", "3", "--warmup-steps", "1", "--min-time-s", "0")
+    result = _run("bench", *SEED_000, *fast, "--out", str(out), env={"CI": ""})  # in a pipe, not CI
     assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
-    assert "distkit bench" in result.stderr  # the progress bar (or its lines) on stderr
+
+    # stderr: the notes, then exactly one plain line per finished run; no tqdm frames.
+    assert "\r" not in result.stderr and "it/s" not in result.stderr and "run/s" not in result.stderr
+    assert "note: added the single baseline (one process)" in result.stderr
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    counts = [re.match(r"\[(\d+)/(\d+)\] ", line) for line in progress]
+    assert all(counts) and [int(m.group(1)) for m in counts if m] == list(range(1, len(progress) + 1))
+    assert counts[-1] is not None and int(counts[-1].group(2)) == len(progress)
+    if not torch.cuda.is_available():
+        # 3 rounds of: 3 baselines twice (A/A) and 9 ddp configurations (dp is skipped without CUDA),
+        # and as many more rounds for configurations re-measured for an efficiency above 100 %.
+        assert len(progress) >= 3 * (2 * 3 + 9)
+    assert re.match(r"\[\d+/\d+\] single x1 batch \d+, round \d+ \(A/A\): ", progress[-1])
 
     with open(out / "results.csv", newline="") as handle:
         reader = csv.DictReader(handle)
         assert reader.fieldnames == BenchRow.columns()
         rows = list(reader)
-    assert [(r["strategy"], r["world_size"], r["status"]) for r in rows] == [
-        ("single", "1", "ok"),
-        ("dp", "2", "ok" if torch.cuda.device_count() >= 2 else "skipped"),
-        ("ddp", "2", "ok"),
-    ]
-    ddp = rows[2]
-    assert float(ddp["samples_per_s"]) > 0 and float(ddp["step_time_p50_ms"]) > 0
-    assert float(ddp["efficiency"]) == pytest.approx(float(ddp["speedup"]) / 2, rel=1e-4)
-    assert ddp["global_batch"] == "32" and float(ddp["memory_mib"]) > 0
-    assert payload["rows"][0]["speedup"] == 1.0 and len(payload["rows"]) == 3
+    assert {(r["strategy"], r["world_size"]) for r in rows} == {
+        ("single", "1"),
+        *((s, n) for s in ("dp", "ddp") for n in ("1", "2", "4")),
+    }
+    threads = int(rows[0]["threads_per_rank"])
+    cores = _load.usable_cores()
+    for row in rows:
+        if row["strategy"] == "ddp" and not torch.cuda.is_available():
+            assert row["oversubscribed"] == str(int(row["world_size"]) * threads > cores), row
+            assert row["status"] == "ok" and float(row["samples_per_s_low"]) <= float(row["samples_per_s"])
+            assert float(row["speedup_low"]) <= float(row["speedup"]) <= float(row["speedup_high"])
+            assert float(row["comm_ms"]) >= 0 and float(row["compute_ms"]) > 0 and row["repeats"] == "3"
 
+    stdout = result.stdout
+    assert "interleaved repetitions" in stdout and "samples/s" in stdout
+    advice = (out / "recommendation.txt").read_text()
+    assert (len(progress) > 45) == ("Re-measured" in advice) or torch.cuda.is_available()
+    decision = advice.splitlines()[0]
+    assert decision.startswith(("Recommendation (confidence: high)", "No recommendation (confidence:"))
+    assert decision in stdout
+    assert "Noise floor (A/A test)" in advice and "Machine load from other processes" in advice
+    assert "Added the single baseline" in advice and "the one-process baseline too" in advice
+    if 4 * threads > cores and not torch.cuda.is_available():
+        assert "Oversubscribed, so never recommended: ddp on 4 processes (4 processes x" in advice
+        assert "on 4 processes" not in decision
+        assert "oversubscribed: 4 processes x" in stdout
+    if not torch.cuda.is_available():
+        assert "skipped: dp (9 configurations): DataParallel needs CUDA GPUs and none is visible" in stdout
     for name in ("throughput.png", "scaling_efficiency.png", "memory.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name  # a drawn figure, not an empty canvas
-    assert sorted(Path(p).name for p in payload["files"]["plots"]) == [
-        "memory.png",
-        "scaling_efficiency.png",
-        "throughput.png",
-    ]
-    advice = (out / "recommendation.txt").read_text()
-    assert advice.startswith("Fastest: ") and advice.strip() == payload["recommendation"]
-    if not torch.cuda.is_available():
-        assert "dp: skipped, DataParallel needs CUDA GPUs and none is visible." in advice
+
+
+def test_progress_is_a_bar_only_in_a_terminal_outside_ci() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert _command.progress_mode(False, Terminal(), {}) == "bar"
+    assert _command.progress_mode(False, Terminal(), {"CI": "true"}) == "lines"
+    assert _command.progress_mode(False, io.StringIO(), {}) == "lines"  # a pipe or a file
+    assert _command.progress_mode(True, Terminal(), {}) == "none"
+
+
+def test_help_and_version_answer_without_importing_torch() -> None:
+    code = (
+        "import contextlib, io, sys\n"
+        "from distkit.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['bench', '--help']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as stop:\n"
+        "            assert stop.code == 0, stop.code\n"
+        "    print(out.getvalue())\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"distkit {distkit.__version__}\n")
+    assert "--gpus" in result.stdout and "--devices" in result.stdout and "transformer" in result.stdout
+
+
+def test_gpus_and_devices_are_the_world_sizes_option() -> None:
+    parser = cli._parser()
+    for flag in ("--gpus", "--devices", "--world-sizes"):
+        args = parser.parse_args(["bench", flag, "1", "2", "4"])
+        assert args.world_sizes == [1, 2, 4] and args.world_sizes_flag == flag
 
 
 def test_bench_profile_json_reports_the_ratio_and_predictions(
@@ -174,12 +238,14 @@ def test_bench_profile_json_reports_the_ratio_and_predictions(
     small, large = payload["profiles"]
     assert (small["batch_size"], large["batch_size"]) == (8, 64)
     assert small["comm"] == large["comm"] and small["comm"]["source"] == "bandwidth model"
+    assert small["compute_low"] <= small["compute_s"] <= small["compute_high"]
     assert [p["world_size"] for p in small["predictions"]] == [1, 2, 4]
     assert small["ratio"] == pytest.approx(small["rank_compute_s"] / small["comm"]["step_s"])
     assert "compute/communication ratio" in payload["recommendation"]
     with open(out / "profile.csv", newline="") as handle:
         records = list(csv.DictReader(handle))
-    assert len(records) == 6 and {"ratio", "predicted_speedup", "predicted_efficiency"} <= set(records[0])
+    assert len(records) == 6
+    assert {"ratio", "predicted_speedup", "predicted_speedup_low", "predicted_efficiency"} <= set(records[0])
     assert (out / "predicted_scaling.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -187,7 +253,12 @@ def test_bench_reports_a_bad_model_name_as_an_error_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["bench", "--model", "enormous", "--no-progress", "--out", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.startswith("distkit bench: error: unknown model 'enormous': use a preset")
+    err = capsys.readouterr().err
+    assert err.startswith("distkit bench: error: unknown model 'enormous': tried the presets (tiny, small")
+    assert "and 'module:factory', which needs a ':'" in err
+    assert main(["bench", "--model", "json:no_such_factory", "--no-progress", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "module 'json' (" in err and "has no attribute 'no_such_factory'" in err and "dumps" in err
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -195,3 +266,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["bench", "--world-sizes", "0"])
     assert info.value.code == 2
     assert "expected an integer >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--repeats", "2"])
+    assert info.value.code == 2
+    assert (
+        "--repeats must be >= 3 (an interval needs at least 3 repetitions), got 2" in capsys.readouterr().err
+    )

@@ -3,21 +3,21 @@
 ``distkit env [--json]`` reports versions, GPUs, the launcher detected, what :func:`distkit.init`
 would pick and the relevant environment variables, with the problems it sees; it exits with 1
 when one of them would make ``init()`` fail. ``distkit bench`` runs a model over strategies,
-process counts and batch sizes and writes a CSV, PNG plots and a recommendation;
-``distkit bench --profile`` runs the scaling advisor instead (:func:`distkit.profile_scaling`).
+process counts and batch sizes, in interleaved repetitions, and writes a CSV, PNG plots and a
+recommendation that states how sure it is; ``distkit bench --profile`` runs the scaling advisor
+instead (:func:`distkit.profile_scaling`). The parser imports no torch, so ``distkit --help`` and
+``distkit --version`` answer at once; the bench command itself lives in
+:mod:`distkit.bench._command`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import math
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["collect_env", "main"]
@@ -258,287 +258,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 1 if any(p["level"] == "error" for p in report["problems"]) else 0
 
 
-class _Progress:
-    """A tqdm bar on stderr, or one line per step when tqdm is not installed."""
-
-    def __init__(self, total: int, *, enabled: bool, desc: str) -> None:
-        self.total = total
-        self.done = 0
-        self.enabled = enabled
-        self.bar: Any = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                self.bar = None
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
-        elif self.enabled:
-            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _default_world_sizes() -> list[int]:
-    import torch
-
-    limit = torch.cuda.device_count() if torch.cuda.is_available() else min(os.cpu_count() or 1, 4)
-    sizes = [1]
-    while sizes[-1] * 2 <= limit:
-        sizes.append(sizes[-1] * 2)
-    return sizes
-
-
-def _json_ready(value: Any) -> Any:
-    # JSON has no NaN: a value that was not measured is null.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    return value
-
-
-def _print_advice(advice: str, written: list[Path], plot_problem: str | None) -> None:
-    print()
-    print(advice)
-    print()
-    print("wrote " + ", ".join(str(p) for p in written))
-    if plot_problem:
-        print(f"no plots: {plot_problem}", file=sys.stderr)
-
-
-def _write_advice(
-    args: argparse.Namespace,
-    out: Path,
-    csv_path: Path,
-    plots: list[Path],
-    plot_problem: str | None,
-    advice: str,
-    **results: list[dict[str, Any]],
-) -> Path | None:
-    """Write recommendation.txt and return its path; with --json print everything and return None."""
-    advice_path = out / "recommendation.txt"
-    advice_path.write_text(advice + "\n")
-    if not args.json:
-        return advice_path
-    files = {"csv": str(csv_path), "plots": [str(p) for p in plots], "recommendation": str(advice_path)}
-    payload: dict[str, Any] = {**results, "recommendation": advice, "files": files}
-    if plot_problem:
-        payload["plot_error"] = plot_problem
-    print(json.dumps(_json_ready(payload), indent=2))
-    return None
-
-
-def _plots_or_reason(plot: Callable[[], list[Path]]) -> tuple[list[Path], str | None]:
-    try:
-        return plot(), None
-    except ImportError as err:
-        return [], str(err)
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-
-
-def _num(value: float, digits: int = 1) -> str:
-    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from distkit.bench import report, runner
+    from distkit.bench import _command
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    world_sizes = args.world_sizes or _default_world_sizes()
-    if args.profile:
-        return _cmd_profile(args, out)
-    total = sum(
-        len(args.batch_sizes) * (1 if s == "single" else len(world_sizes)) for s in set(args.strategies)
-    )
-    progress = _Progress(total, enabled=not args.no_progress, desc="distkit bench")
-
-    def on_progress(item: Any) -> None:
-        if isinstance(item, runner.BenchRow):
-            progress.step(f"{item.strategy} x{item.world_size} batch {item.batch_size}: skipped")
-        else:
-            strategy, n, b = item
-            progress.step(f"{strategy} x{n} batch {b}")
-
-    try:
-        rows = runner.run_benchmark(
-            args.model,
-            strategies=args.strategies,
-            world_sizes=world_sizes,
-            batch_sizes=args.batch_sizes,
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            min_time_s=args.min_time_s,
-            threads_per_rank=args.threads_per_rank,
-            timeout_s=args.timeout_s,
-            on_progress=on_progress,
-        )
-    finally:
-        progress.close()
-    csv_path = report.write_csv([r.as_dict() for r in rows], out / "results.csv", runner.BenchRow.columns())
-    plots, plot_problem = _plots_or_reason(lambda: report.plot_rows(rows, out))
-    advice = report.recommend(rows)
-    advice_path = _write_advice(
-        args, out, csv_path, plots, plot_problem, advice, rows=[r.as_dict() for r in rows]
-    )
-    if advice_path is None:
-        return 0
-    _print_table(
-        ["strategy", "n", "batch", "samples/s", "p50 ms", "speedup", "efficiency", "memory MiB", "status"],
-        [
-            [
-                r.strategy,
-                str(r.world_size),
-                str(r.batch_size),
-                _num(r.samples_per_s, 0),
-                _num(r.step_time_p50_ms, 2),
-                _num(r.speedup, 2),
-                "-" if math.isnan(r.efficiency) else f"{r.efficiency:.0%}",
-                _num(r.memory_mib, 0),
-                r.status if r.status == "ok" else f"skipped: {r.note}",
-            ]
-            for r in rows
-        ],
-    )
-    _print_advice(advice, [csv_path, advice_path, *plots], plot_problem)
-    return 0
-
-
-def _cmd_profile(args: argparse.Namespace, out: Path) -> int:
-    import torch
-
-    from distkit.bench import profile_scaling, report, runner
-    from distkit.bench.workloads import load_workload
-
-    workload = load_workload(args.model)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    threads = args.threads_per_rank or (1 if cuda else runner.default_threads_per_rank(args.comm_world_size))
-    predict = sorted(set(args.predict))
-    progress = _Progress(len(args.batch_sizes), enabled=not args.no_progress, desc="distkit bench --profile")
-    profiles = []
-    comm = None
-    try:
-        for batch_size in args.batch_sizes:
-            model = copy.deepcopy(workload.model).to(device)
-            profile = profile_scaling(
-                model,
-                workload.make_batch(batch_size),
-                world_sizes=predict,
-                compute_loss=workload.compute_loss,
-                optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
-                steps=args.steps,
-                warmup_steps=args.warmup_steps,
-                min_time_s=args.min_time_s,
-                comm_world_size=args.comm_world_size,
-                num_threads=threads,
-                bandwidth_gbps=args.bandwidth_gbps,
-                latency_us=args.latency_us,
-                comm=comm,
-                timeout_s=args.timeout_s,
-            )
-            if cuda:
-                # Communication does not depend on the batch size: measure it once. CPU ranks are
-                # spawned for every batch size, as they also time the compute they share the cores for.
-                comm = profile.comm
-            profiles.append(profile)
-            progress.step(f"batch {batch_size}: ratio {profile.ratio:.1f}")
-    finally:
-        progress.close()
-
-    columns = [
-        "model",
-        "params",
-        "batch_size",
-        "world_size",
-        "compute_ms",
-        "rank_compute_ms",
-        "comm_ms_measured",
-        "comm_world_size",
-        "backend",
-        "ratio",
-        "predicted_step_ms",
-        "predicted_comm_ms",
-        "predicted_speedup",
-        "predicted_efficiency",
-        "predicted_samples_per_s",
-        "overlap",
-        "threads_per_rank",
-    ]
-    records = [
-        {
-            "model": args.model,
-            "params": p.num_parameters,
-            "batch_size": p.batch_size,
-            "world_size": pred.world_size,
-            "compute_ms": p.compute_s * 1e3,
-            "rank_compute_ms": p.rank_compute_s * 1e3,
-            "comm_ms_measured": p.comm.step_s * 1e3,
-            "comm_world_size": p.comm.world_size,
-            "backend": p.comm.backend,
-            "ratio": p.ratio,
-            "predicted_step_ms": pred.step_s * 1e3,
-            "predicted_comm_ms": pred.comm_s * 1e3,
-            "predicted_speedup": pred.speedup,
-            "predicted_efficiency": pred.efficiency,
-            "predicted_samples_per_s": pred.samples_per_s,
-            "overlap": p.overlap,
-            "threads_per_rank": p.num_threads,
-        }
-        for p in profiles
-        for pred in p.predictions
-    ]
-    csv_path = report.write_csv(records, out / "profile.csv", columns)
-    title = f"Predicted speedup: {args.model} ({profiles[0].num_parameters:,} params)"
-    plots, plot_problem = _plots_or_reason(
-        lambda: [report.plot_profiles(profiles, out / "predicted_scaling.png", title=title)]
-    )
-    advice = "\n\n".join(p.recommendation() for p in profiles)
-    advice_path = _write_advice(
-        args, out, csv_path, plots, plot_problem, advice, profiles=[p.as_dict() for p in profiles]
-    )
-    if advice_path is None:
-        return 0
-    _print_table(
-        [
-            "batch",
-            "alone ms",
-            "per rank ms",
-            f"comm ms @{profiles[0].comm.world_size}",
-            "ratio",
-            *(f"x{n} speedup" for n in predict),
-        ],
-        [
-            [
-                str(p.batch_size),
-                _num(p.compute_s * 1e3, 2),
-                _num(p.rank_compute_s * 1e3, 2),
-                _num(p.comm.step_s * 1e3, 2),
-                _num(p.ratio, 2),
-                *(f"{pred.speedup:.2f} ({pred.efficiency:.0%})" for pred in p.predictions),
-            ]
-            for p in profiles
-        ],
-    )
-    _print_advice(advice, [csv_path, advice_path, *plots], plot_problem)
-    return 0
+    return _command.run_bench(args)
 
 
 def _positive_int(text: str) -> int:
@@ -551,13 +274,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Counts(argparse.Action):
+    """Store the counts and which spelling was used (``--gpus`` on a CPU machine gets a note)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.world_sizes_flag = option_string
+
+
 def _parser() -> argparse.ArgumentParser:
-    from distkit.bench import runner
-    from distkit.bench.workloads import PRESETS
+    # Nothing here may import torch: `distkit --help` and `distkit --version` must answer at once.
+    from distkit import __version__
+    from distkit.bench._names import PRESET_NAMES, STRATEGIES
 
     parser = argparse.ArgumentParser(
         prog="distkit", description="distkit: distributed PyTorch, checked and measured."
     )
+    parser.add_argument("--version", action="version", version=f"distkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{env,bench}")
 
     env = commands.add_parser(
@@ -569,30 +308,37 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="measure throughput and scaling of a model; --profile predicts it instead",
-        description="Run a model over strategies, process/device counts and batch sizes; write results.csv, "
-        "throughput.png, scaling_efficiency.png, memory.png and recommendation.txt. With --profile, measure "
-        "compute and gradient communication once and predict the speedup for --predict rank counts.",
+        description="Run a model over strategies, process/device counts and batch sizes, each configuration "
+        "in interleaved repetitions; write results.csv (with intervals), throughput.png, "
+        "scaling_efficiency.png, memory.png and recommendation.txt (with its confidence, the noise floor and "
+        "the machine's load). With --profile, measure compute and gradient communication once and predict "
+        "the speedup for --predict rank counts.",
     )
     bench.add_argument(
         "--model",
         default="tiny",
-        help=f"a preset ({', '.join(PRESETS)}) or module:factory returning a "
+        help=f"a preset ({', '.join(PRESET_NAMES)}) or module:factory returning a "
         f"distkit.bench.workloads.Workload or (model, make_batch[, compute_loss]) (default: tiny)",
     )
     bench.add_argument(
         "--strategies",
         nargs="+",
-        choices=runner.STRATEGIES,
-        default=list(runner.STRATEGIES),
-        help="strategies to run (default: all; dp is skipped without CUDA)",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="strategies to run (default: all; dp is skipped without CUDA; single, the baseline of "
+        "every speedup, is added when missing)",
     )
     bench.add_argument(
         "--world-sizes",
+        "--gpus",
+        "--devices",
+        dest="world_sizes",
         nargs="+",
         type=_positive_int,
         default=None,
-        help="process counts (ddp) or device counts (dp) (default: 1, 2, 4... up to the GPUs, or "
-        "up to 4 CPU cores)",
+        action=_Counts,
+        help="process counts (ddp) or device counts (dp); --gpus and --devices are the same option "
+        "(default: 1, 2, 4... up to the GPUs, or up to 4 usable CPU cores)",
     )
     bench.add_argument(
         "--batch-sizes",
@@ -601,25 +347,40 @@ def _parser() -> argparse.ArgumentParser:
         default=[32, 128],
         help="samples per process (per device for dp) per step (default: 32 128)",
     )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved repetitions of every configuration, at least 3 (default: 3; --profile "
+        "alternates its parts in blocks instead)",
+    )
     bench.add_argument("--steps", type=_positive_int, default=20, help="measured steps per run (default: 20)")
     bench.add_argument("--warmup-steps", type=int, default=5, help="unmeasured steps first (default: 5)")
     bench.add_argument(
         "--min-time-s",
         type=float,
         default=1.0,
-        help="measure each run for at least this long, adding steps for fast models "
+        help="measure each part of a run for at least this long, adding steps for fast models "
         "(default: 1; 0: exactly --steps)",
     )
     bench.add_argument(
         "--threads-per-rank",
         type=_positive_int,
         default=None,
-        help="torch threads per process (default on CPU: cores / largest process count)",
+        help="torch threads per process, the same in every configuration (default on CPU: usable cores / "
+        "largest process count)",
     )
     bench.add_argument("--out", default="distkit-bench", help="output directory (default: ./distkit-bench)")
-    bench.add_argument("--timeout-s", type=float, default=600.0, help="deadline per group of processes")
+    bench.add_argument(
+        "--timeout-s", type=float, default=600.0, help="deadline for starting a group and for each run"
+    )
     bench.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    bench.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="nothing on stderr while it runs (by default: a bar in a terminal, one line per finished run "
+        "in a pipe or with CI=true)",
+    )
     advisor = bench.add_argument_group("scaling advisor (--profile)")
     advisor.add_argument(
         "--profile",
@@ -649,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
         "--latency-us", type=float, default=10.0, help="per-hop latency for --bandwidth-gbps (default: 10)"
     )
     bench.set_defaults(func=_cmd_bench)
+
     return parser
 
 
@@ -674,11 +436,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.command == "bench" and not args.min_time_s >= 0:
         parser.error(f"--min-time-s must be >= 0, got {args.min_time_s}")
+    if args.command == "bench" and args.repeats < 3:
+        parser.error(f"--repeats must be >= 3 (an interval needs at least 3 repetitions), got {args.repeats}")
     from distkit.errors import DistkitError
 
     try:
         return int(args.func(args))
-    except (DistkitError, ValueError, ImportError, OSError) as err:
+    # A bad --model raises AttributeError or TypeError with a message written for the user.
+    except (DistkitError, ValueError, ImportError, OSError, AttributeError, TypeError) as err:
         print(f"distkit {args.command}: error: {err}", file=sys.stderr)
         return 1
 

@@ -1,22 +1,36 @@
-"""What a benchmark trains: built-in presets from tiny to medium, or the user's ``module:factory``."""
+"""What a benchmark trains: built-in presets from a tiny MLP to a small transformer, or ``module:factory``."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
 import itertools
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "LossFn", "Workload", "batch_size_of", "default_loss", "load_workload", "to_device"]
+__all__ = [
+    "PRESETS",
+    "LossFn",
+    "OptimizerFactory",
+    "TextClassifier",
+    "Workload",
+    "batch_size_of",
+    "default_loss",
+    "load_workload",
+    "to_device",
+]
 
 #: ``compute_loss(model, batch) -> loss``: how one training step turns a batch into a scalar loss.
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+#: ``make_optimizer(parameters) -> optimizer``, e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``.
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,9 @@ class Workload:
         compute_loss: ``compute_loss(model, batch)`` returns the loss; ``None`` uses
             :func:`default_loss`.
         description: One line for listings.
+        make_optimizer: ``make_optimizer(parameters)`` builds the optimizer every configuration
+            trains with; ``None``: plain SGD (lr 1e-3), the cheapest, so that the numbers are the
+            model and the communication.
 
     Example:
         >>> import torch
@@ -42,6 +59,13 @@ class Workload:
     make_batch: Callable[[int], Any]
     compute_loss: LossFn | None = None
     description: str = ""
+    make_optimizer: OptimizerFactory | None = None
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """A fresh optimizer over ``model``'s parameters (SGD with lr 1e-3 unless ``make_optimizer``)."""
+        if self.make_optimizer is not None:
+            return self.make_optimizer(model.parameters())
+        return torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def loss(self, batch: Any, model: nn.Module | None = None) -> torch.Tensor:
         """The loss of ``batch`` through ``model`` (default: this workload's model)."""
@@ -87,6 +111,19 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         f"(inputs, targets), a mapping for model(**batch), or a tensor. "
         f"Pass compute_loss=(model, batch) -> loss."
     )
+
+
+class _RandomTokens:
+    # Token ids and labels of a text classifier; a class for the same reasons as below.
+    def __init__(self, vocab: int, length: int, classes: int) -> None:
+        self.vocab = vocab
+        self.length = length
+        self.classes = classes
+
+    def __call__(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(batch_size)
+        tokens = torch.randint(self.vocab, (batch_size, self.length), generator=gen)
+        return tokens, torch.randint(self.classes, (batch_size,), generator=gen)
 
 
 class _RandomClassification:
@@ -136,13 +173,61 @@ def _conv() -> Workload:
     )
 
 
-#: Built-in workloads by name: MLPs from tiny to medium and a small conv net (compute-heavy for its
-#: size, so it scales better than an MLP with as many parameters).
+class TextClassifier(nn.Module):
+    """A small transformer text classifier, the shape of ``../shared/seeds/004``'s "small model".
+
+    Token and position embeddings, ``layers`` encoder layers (``d_model``, ``heads`` heads, a
+    feed-forward of ``ffn``), mean pooling, a linear head. With the defaults: 1.94 M parameters,
+    1.54 M of them in the token embedding, whose gradient DDP all-reduces whole at every step.
+
+    Example:
+        >>> TextClassifier()(torch.randint(12_000, (2, 64))).shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(
+        self,
+        vocab: int = 12_000,
+        d_model: int = 128,
+        heads: int = 4,
+        layers: int = 2,
+        ffn: int = 512,
+        length: int = 64,
+        classes: int = 4,
+    ) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(length, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ffn, batch_first=True)
+        # Nested tensors only speed up padded inference; the warning about them is noise here.
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.tokens(tokens) + self.positions.weight[: tokens.shape[1]]
+        return self.head(self.encoder(hidden).mean(dim=1))
+
+
+def _transformer() -> Workload:
+    torch.manual_seed(0)
+    return Workload(
+        TextClassifier(),
+        _RandomTokens(12_000, 64, 4),
+        None,
+        "transformer text classifier (2 layers, d_model 128, 64 tokens, 4 classes), 1.9 M params, AdamW",
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+    )
+
+
+#: Built-in workloads by name: MLPs from tiny to medium, a small conv net (compute-heavy for its
+#: size, so it scales better than an MLP with as many parameters) and a small transformer text
+#: classifier trained with AdamW (most of its gradient is the embedding's, as in seed 004).
 PRESETS: dict[str, Callable[[], Workload]] = {
     "tiny": _mlp_workload([32, 64, 10], "MLP 32-64-10, 2.8 K params"),
     "small": _mlp_workload([256, 512, 512, 10], "MLP 256-512-512-10, 400 K params"),
     "medium": _mlp_workload([784, 1024, 1024, 512, 10], "MLP 784-1024-1024-512-10, 2.4 M params"),
     "conv": _conv,
+    "transformer": _transformer,
 }
 
 
@@ -166,15 +251,17 @@ def load_workload(spec: str) -> Workload:
     :class:`Workload` or ``(model, make_batch)`` / ``(model, make_batch, compute_loss)``.
 
     Args:
-        spec: ``"tiny"``, ``"small"``, ``"medium"``, ``"conv"`` or ``"package.module:factory"``.
+        spec: A preset (``"tiny"``, ``"small"``, ``"medium"``, ``"conv"``, ``"transformer"``) or
+            ``"package.module:factory"``.
 
     Returns:
         The workload, its model on the CPU.
 
     Raises:
-        ValueError: ``spec`` names no preset and is not ``module:factory``.
-        ImportError: The module cannot be imported.
-        AttributeError: The module has no such factory.
+        ValueError: ``spec`` names no preset and is not ``module:factory`` (the message lists
+            what was tried).
+        ImportError: The module cannot be imported (names the module and where it was looked for).
+        AttributeError: The module has no such factory (lists what it has).
         TypeError: The factory returned something else.
 
     Example:
@@ -183,20 +270,36 @@ def load_workload(spec: str) -> Workload:
     """
     if spec in PRESETS:
         return PRESETS[spec]()
+    cwd = os.getcwd()
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
+        close = difflib.get_close_matches(spec, PRESETS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}) or 'module:factory', "
-            f"e.g. 'mymodels:build' for a function build() in mymodels.py."
+            f"unknown model {spec!r}: tried the presets ({', '.join(PRESETS)}) and 'module:factory', "
+            f"which needs a ':' (e.g. 'mymodels:build' for a function build() in mymodels.py in "
+            f"the current directory, {cwd}).{hint}"
         )
-    cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ImportError(
+            f"cannot load model {spec!r}: importing module {module_name!r} failed ({err}); looked in "
+            f"the current directory {cwd} first, then sys.path. Run from the directory that holds "
+            f"{module_name.replace('.', '/')}.py, or install its package.",
+            name=module_name,
+        ) from err
     try:
         target = getattr(module, attr)
     except AttributeError:
-        raise AttributeError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r}).") from None
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        where = getattr(module, "__file__", None) or module_name
+        raise AttributeError(
+            f"module {module_name!r} ({where}) has no attribute {attr!r} (from {spec!r}); "
+            f"its public callables: {', '.join(names) or 'none'}."
+        ) from None
     return _normalize(target if isinstance(target, Workload) else target(), spec)
 
 

@@ -1,0 +1,329 @@
+"""What the advisor predicts from its measurements: the result types and their plain-language verdict.
+
+A data-parallel step on ``N`` ranks with a fixed batch per rank is the compute of one rank plus the
+all-reduce of the gradients, scaled from the measured world size by the ring all-reduce model.
+The types live in :mod:`distkit.bench.profile` for users; they are defined here, apart from the
+measurement, because they are pure arithmetic on measured numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CommProfile", "ScalingPrediction", "ScalingProfile"]
+
+_MIB = 1024 * 1024
+# DDP's default bucket layout (torch.nn.parallel.DistributedDataParallel): the gradients computed
+# first go in a 1 MiB bucket, the rest in 25 MiB buckets, one all-reduce per bucket.
+_DDP_FIRST_BUCKET_BYTES = 1 * _MIB
+_DDP_BUCKET_BYTES = 25 * _MIB
+# Efficiency from which scaling counts as near-linear.
+_GOOD = 0.8
+# Each rank added beyond the first must bring at least this share of a rank's own speed.
+_MARGINAL = 0.5
+# Batches accumulated per all-reduce in the advice (no_sync()): a common setting.
+_ACCUMULATE = 4
+
+
+def _pays(speedup: float, world_size: int) -> bool:
+    """True when the ranks added beyond one each bring at least half of a rank's speed."""
+    return world_size > 1 and speedup - 1 >= _MARGINAL * (world_size - 1)
+
+
+def _estimate_buckets(grad_bytes: int) -> int:
+    if grad_bytes <= _DDP_FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + math.ceil((grad_bytes - _DDP_FIRST_BUCKET_BYTES) / _DDP_BUCKET_BYTES)
+
+
+def _fill(value: float, default: float) -> float:
+    return default if math.isnan(value) else value
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """The cost of all-reducing one model's gradients through DDP, per training step.
+
+    Attributes:
+        world_size: The number of ranks it was measured at (2 for a bandwidth model).
+        backend: ``"gloo"`` or ``"nccl"`` (or ``"model"`` for a bandwidth model).
+        grad_bytes: Bytes of gradients all-reduced per step.
+        num_buckets: DDP buckets, that is all-reduce calls, per step.
+        step_s: Seconds per step that DDP adds to a step at ``world_size`` (all-reduces, bucket
+            copies, hooks) when nothing overlaps with it.
+        latency_s: Seconds of one tiny all-reduce at ``world_size``: the per-call part of
+            ``step_s``.
+        source: ``"measured"`` or ``"bandwidth model"``.
+        step_low: The fastest block's ``step_s`` (the interval's lower end; ``step_s`` if not given).
+        step_high: The slowest block's.
+
+    Example:
+        >>> comm = CommProfile(2, "gloo", 4_000_000, 1, 0.004, 0.0002, "measured")
+        >>> round(comm.time_at(4) * 1e3, 2)  # ring all-reduce: latency x3, bytes x1.5
+        6.3
+    """
+
+    world_size: int
+    backend: str
+    grad_bytes: int
+    num_buckets: int
+    step_s: float
+    latency_s: float
+    source: str
+    step_low: float = math.nan
+    step_high: float = math.nan
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step_low", _fill(self.step_low, self.step_s))
+        object.__setattr__(self, "step_high", _fill(self.step_high, self.step_s))
+
+    def _scaled(self, step_s: float, world_size: int) -> float:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        if world_size == 1:
+            return 0.0
+        measured = self.world_size
+        per_call = min(self.num_buckets * self.latency_s, step_s)
+        per_byte = step_s - per_call
+        latency_scale = (world_size - 1) / (measured - 1)
+        bytes_scale = ((world_size - 1) / world_size) / ((measured - 1) / measured)
+        return per_call * latency_scale + per_byte * bytes_scale
+
+    def time_at(self, world_size: int) -> float:
+        """Predicted seconds per step at ``world_size`` ranks, by the ring all-reduce model.
+
+        A ring all-reduce of ``B`` bytes over ``N`` ranks takes ``2(N-1)`` latency-bound steps
+        and moves ``2(N-1)/N * B`` bytes per rank. The measured time is split into its per-call
+        part (``num_buckets * latency_s``) and the rest, and each is scaled from the measured
+        world size to ``world_size`` by those factors.
+        """
+        return self._scaled(self.step_s, world_size)
+
+    def range_at(self, world_size: int) -> tuple[float, float]:
+        """:meth:`time_at` for the interval's two ends, ``(low, high)``."""
+        return self._scaled(self.step_low, world_size), self._scaled(self.step_high, world_size)
+
+
+@dataclass(frozen=True)
+class ScalingPrediction:
+    """Predicted data-parallel performance on ``world_size`` ranks, with the batch per rank fixed.
+
+    Attributes:
+        world_size: Number of ranks.
+        step_s: Seconds per training step.
+        comm_s: Seconds of that step spent on gradient communication that nothing hides.
+        speedup: Throughput against one rank without DDP.
+        efficiency: ``speedup / world_size`` (1.0 is perfect scaling).
+        samples_per_s: Throughput of the job, when the batch size is known; else ``nan``.
+        speedup_low: The speedup when every measured part sits at its slowest end (compute alone
+            at its fastest): the interval's lower end.
+        speedup_high: The other way round: its upper end.
+    """
+
+    world_size: int
+    step_s: float
+    comm_s: float
+    speedup: float
+    efficiency: float
+    samples_per_s: float
+    speedup_low: float = math.nan
+    speedup_high: float = math.nan
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speedup_low", _fill(self.speedup_low, self.speedup))
+        object.__setattr__(self, "speedup_high", _fill(self.speedup_high, self.speedup))
+
+    @property
+    def efficiency_low(self) -> float:
+        """``speedup_low / world_size``."""
+        return self.speedup_low / self.world_size
+
+    @property
+    def efficiency_high(self) -> float:
+        """``speedup_high / world_size``."""
+        return self.speedup_high / self.world_size
+
+
+def _range_text(value: float, low: float, high: float, fmt: str, unit: str = "") -> str:
+    text = format(value, fmt) + unit
+    if low == high == value:
+        return text
+    return f"{text} [{format(low, fmt)}-{format(high, fmt)}]"
+
+
+@dataclass(frozen=True)
+class ScalingProfile:
+    """What :func:`profile_scaling` measured, and its predictions.
+
+    Every quantity comes with an interval: the range of the medians of the blocks it was measured
+    in (five by default, interleaved with the other parts; the range of 5 covers the median with
+    probability 94 %).
+
+    Attributes:
+        batch_size: Samples per rank per step (from the sample batch), or ``None``.
+        compute_s: Seconds of one training step in one process alone (forward, backward, and the
+            optimizer step when an optimizer was given): the one-rank baseline.
+        rank_compute_s: Seconds of the same step on each rank while ``comm.world_size`` ranks
+            compute at once on this machine. CPU ranks share cores, caches and memory bandwidth,
+            so it can exceed ``compute_s``; ranks on their own GPUs (or in your own job) measure
+            the same as ``compute_s``.
+        forward_s: The forward part of ``compute_s``.
+        backward_s: The backward part of ``compute_s`` (what DDP can overlap with).
+        num_parameters: Trainable parameters.
+        comm: The gradient communication measurement.
+        overlap: Whether predictions let communication hide behind backward.
+        device: The device the compute was measured on.
+        num_threads: torch threads per process for every CPU measurement, or ``None``.
+        predictions: One prediction per world size asked for.
+        compute_low: The interval of ``compute_s`` (``compute_s`` when not given).
+        compute_high: Its upper end.
+        rank_compute_low: The interval of ``rank_compute_s``.
+        rank_compute_high: Its upper end.
+
+    Example:
+        >>> profile = distkit.profile_scaling(model, batch)  # doctest: +SKIP
+        >>> profile.ratio, profile.predict(4).efficiency  # doctest: +SKIP
+        (3.1, 0.61)
+    """
+
+    batch_size: int | None
+    compute_s: float
+    rank_compute_s: float
+    forward_s: float
+    backward_s: float
+    num_parameters: int
+    comm: CommProfile
+    overlap: bool
+    device: str
+    num_threads: int | None
+    predictions: tuple[ScalingPrediction, ...] = field(default=())
+    compute_low: float = math.nan
+    compute_high: float = math.nan
+    rank_compute_low: float = math.nan
+    rank_compute_high: float = math.nan
+
+    def __post_init__(self) -> None:
+        for name, value in (("compute", self.compute_s), ("rank_compute", self.rank_compute_s)):
+            object.__setattr__(self, f"{name}_low", _fill(getattr(self, f"{name}_low"), value))
+            object.__setattr__(self, f"{name}_high", _fill(getattr(self, f"{name}_high"), value))
+
+    @property
+    def ratio(self) -> float:
+        """Compute over communication per step at the measured world size (higher scales better).
+
+        Above about 3, data parallelism without overlap keeps 75 % efficiency or more.
+        """
+        return self.rank_compute_s / self.comm.step_s if self.comm.step_s > 0 else math.inf
+
+    def _exposed(self, comm_s: float) -> float:
+        return max(0.0, comm_s - self.backward_s) if self.overlap else comm_s
+
+    def predict(self, world_size: int, *, accumulate: int = 1) -> ScalingPrediction:
+        """Predict one world size, optionally with ``accumulate`` batches per all-reduce.
+
+        One rank runs without DDP: its step is ``compute_s``. ``N > 1`` ranks take
+        ``rank_compute_s + comm(N)`` per step without overlap; with overlap only communication
+        that outlasts the backward pass counts: ``rank_compute_s + max(0, comm(N) - backward_s)``.
+        With ``accumulate=k`` (gradient accumulation under DDP's ``no_sync()``) the all-reduce
+        runs once per ``k`` batches, so each batch carries ``comm(N) / k``. Ranks beyond
+        ``comm.world_size`` are assumed to compute as fast as the measured ones (their own cores
+        or GPUs). The interval combines every part's interval in the least and the most favourable
+        way.
+        """
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}.")
+        if world_size == 1:
+            rate = self.batch_size / self.compute_s if self.batch_size else math.nan
+            return ScalingPrediction(1, self.compute_s, 0.0, 1.0, 1.0, rate)
+        comm_s = self._exposed(self.comm.time_at(world_size)) / accumulate
+        comm_low, comm_high = (self._exposed(c) / accumulate for c in self.comm.range_at(world_size))
+        step_s = self.rank_compute_s + comm_s
+        speedup = world_size * self.compute_s / step_s
+        rate = world_size * self.batch_size / step_s if self.batch_size else math.nan
+        return ScalingPrediction(
+            world_size,
+            step_s,
+            comm_s,
+            speedup,
+            speedup / world_size,
+            rate,
+            speedup_low=world_size * self.compute_low / (self.rank_compute_high + comm_high),
+            speedup_high=world_size * self.compute_high / (self.rank_compute_low + comm_low),
+        )
+
+    def recommendation(self) -> str:
+        """A plain-language verdict: will more ranks help, up to how many, and what to change.
+
+        Every number it quotes is one this profile measured or predicted; it says "raise the batch"
+        only when comparing profiles of several batch sizes shows that a larger one is predicted
+        to scale better (:func:`distkit.bench.report.recommend_profiles`).
+        """
+        ms = 1e3
+        batch = f" at batch {self.batch_size} per rank" if self.batch_size else ""
+        size = _size_text(self.comm.grad_bytes)
+        compute = _range_text(
+            self.rank_compute_s * ms, self.rank_compute_low * ms, self.rank_compute_high * ms, ".2f"
+        )
+        comm = _range_text(self.comm.step_s * ms, self.comm.step_low * ms, self.comm.step_high * ms, ".2f")
+        lines = [
+            f"Compute takes {compute} ms per step per rank{batch}; all-reducing {size} of gradients takes "
+            f"{comm} ms at {self.comm.world_size} ranks over {self.comm.backend} "
+            f"({self.comm.source}): compute/communication ratio {self.ratio:.1f}."
+        ]
+        many = [p for p in self.predictions if p.world_size > 1]
+        if not many:
+            return "\n".join(lines)
+        lines.append(
+            "Predicted: "
+            + ", ".join(
+                f"{p.world_size} ranks {_range_text(p.speedup, p.speedup_low, p.speedup_high, '.2f', 'x')} "
+                f"({p.efficiency:.0%})"
+                for p in many
+            )
+            + "."
+        )
+        best = max(many, key=lambda p: p.speedup)
+        accumulated = self.predict(best.world_size, accumulate=_ACCUMULATE)
+        accumulate = (
+            f"accumulating {_ACCUMULATE} batches per all-reduce with DDP's no_sync() is predicted to "
+            f"give {accumulated.speedup:.2f}x ({accumulated.efficiency:.0%}) on {best.world_size} ranks"
+        )
+        worth = [p for p in many if _pays(p.speedup, p.world_size)]
+        if best.speedup <= 1:
+            lines.append(
+                f"More ranks will make each epoch slower, not faster: communication outweighs compute "
+                f"(ratio {self.ratio:.1f}). Stay on one device; or {accumulate}."
+            )
+        elif all(p.efficiency >= _GOOD for p in many):
+            lines.append(f"Scales well: {many[-1].world_size} ranks are worth their cost.")
+        elif worth:
+            lines.append(
+                f"Worth it up to about {worth[-1].world_size} ranks, where each added rank still brings "
+                f"at least half of its speed; beyond, communication eats most of it ({accumulate})."
+            )
+        else:
+            lines.append(
+                f"Pays poorly: at best {best.speedup:.2f}x with {best.world_size} ranks, so each added "
+                f"rank brings less than half of its speed; {accumulate}."
+            )
+        if best.speedup_low < 1 < best.speedup_high:
+            lines.append(
+                f"Within this measurement's spread, {best.world_size} ranks may be slower or faster than "
+                f"one ({best.speedup_low:.2f}x to {best.speedup_high:.2f}x): measure longer (min_time_s) "
+                f"or on a quieter machine before deciding."
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dictionary of every field, with ``ratio`` added."""
+        out = asdict(self)
+        out["ratio"] = self.ratio
+        return out
+
+
+def _size_text(num_bytes: int) -> str:
+    if num_bytes < _MIB:
+        return f"{num_bytes / 1024:.1f} KiB"
+    return f"{num_bytes / _MIB:.1f} MiB"
