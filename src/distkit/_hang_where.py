@@ -27,6 +27,7 @@ import linecache
 import os
 import sys
 import sysconfig
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from types import CodeType, FrameType, TracebackType
@@ -370,9 +371,10 @@ def ddp_in_frames(frames: Frames) -> bool:
                 return True
             # One attribute level: self.model, trainer._wrapped.
             attributes = getattr(value, "__dict__", None)
+            # Not a module's: `torch.distributed.reduce_op` warns when merely looked at.
             if (
                 isinstance(attributes, dict)
-                and not isinstance(value, type)
+                and not isinstance(value, (type, types.ModuleType))
                 and any(isinstance(item, ddp_type) for item in list(attributes.values()))
             ):
                 return True
