@@ -272,3 +272,41 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         "--repeats must be >= 3 (an interval needs at least 3 repetitions), got 2" in capsys.readouterr().err
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# distkit checkpoint
+
+
+def test_checkpoint_command_lists_inspects_and_consolidates_a_sharded_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = torch.nn.Linear(4, 2)
+    with distkit.CheckpointManager(tmp_path / "run", sharded=True) as manager:
+        manager.save(5, {"model": model, "step": 5}, metrics={"loss": 0.25})
+    (tmp_path / "run" / ".step_000000006.distkit-tmp-abcd").mkdir()  # debris of a killed save
+
+    assert main(["checkpoint", "list", str(tmp_path / "run")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["6", "leftover", "of", "a", "killed", "save", "or", "delete"]
+    assert re.fullmatch(r"\s+5  committed  sharded 1 rank\(s\)\s+\d+\.\d KiB  loss=0\.25", lines[1]), lines[1]
+
+    step_5 = str(tmp_path / "run" / "step_000000005")
+    assert main(["checkpoint", "inspect", step_5, "--verify", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["format"], summary["step"], summary["sharded_keys"]) == ("sharded", 5, ["model"])
+    assert set(summary["files"]) == {".metadata", "__0_0.distcp", "state.pt"}
+    assert summary["verified"] == "sizes and checksums"
+
+    assert main(["checkpoint", "consolidate", step_5, str(tmp_path / "full")]) == 0
+    assert "one full state.pt" in capsys.readouterr().out
+    state = torch.load(tmp_path / "full" / "state.pt", weights_only=True)
+    assert torch.equal(state["model"]["weight"], model.weight) and state["step"] == 5
+
+    shard = tmp_path / "run" / "step_000000005" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated
+    assert main(["checkpoint", "inspect", step_5]) == 1
+    out = capsys.readouterr().out
+    assert "__0_0.distcp is" in out and "the manifest says" in out
+    assert main(["checkpoint", "consolidate", step_5, str(tmp_path / "again")]) == 1
+    assert "distkit checkpoint: error: checkpoint" in capsys.readouterr().err

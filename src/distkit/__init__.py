@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         CheckpointCorruptError as CheckpointCorruptError,
         CheckpointManager as CheckpointManager,
         ResumeState as ResumeState,
+        consolidate_checkpoint as consolidate_checkpoint,
         load_checkpoint as load_checkpoint,
         save_checkpoint as save_checkpoint,
     )
@@ -168,6 +169,7 @@ _LAZY: dict[str, str] = {
     # checkpoints
     "save_checkpoint": "distkit.checkpoint",
     "load_checkpoint": "distkit.checkpoint",
+    "consolidate_checkpoint": "distkit.checkpoint",
     "CheckpointManager": "distkit.checkpoint",
     "CheckpointCorruptError": "distkit.checkpoint",
     "CheckpointConflictError": "distkit.checkpoint",

@@ -27,9 +27,9 @@ from distkit._checkpoint_errors import CheckpointCorruptError
 from distkit._checkpoint_format import (
     _MANIFEST_FILE,
     _MAX_MANIFEST_BYTES,
-    _OWN_FILES,
     _STATE_FILE,
     _STEP_RE,
+    _foreign_files,
     _parse_manifest,
     _run_beside,
     _serialize,
@@ -243,18 +243,37 @@ class _LocalStorage:
     ) -> None:
         del guard  # the local writer lock is held by the kernel for as long as its owner lives
         target = os.path.abspath(target)
+        self.commit_staged(target, self.new_staging(target), payload, manifest, mode)
+
+    def new_staging(self, target: str) -> str:
+        """A new, empty staging directory beside ``target`` (the same filesystem, so a rename commits)."""
+        target = os.path.abspath(target)
         if os.path.lexists(target) and not os.path.isdir(target):
             raise FileExistsError(
                 f"{target} exists and is a file, not a checkpoint directory; choose another path."
             )
         _check_replaceable(target, self.contents(target))
         parent = os.path.dirname(target)
-        untouched = "the checkpoints saved before are untouched"
         try:
             os.makedirs(parent, exist_ok=True)
-            staging = tempfile.mkdtemp(prefix=temp_name(Path(target)), dir=parent)
+            return tempfile.mkdtemp(prefix=temp_name(Path(target)), dir=parent)
         except OSError as err:
-            raise _write_error(err, target, parent, untouched=untouched) from err
+            raise _write_error(
+                err, target, parent, untouched="the checkpoints saved before are untouched"
+            ) from err
+
+    def commit_staged(
+        self,
+        target: str,
+        staging: str,
+        payload: Mapping[str, Any],
+        manifest: Callable[[dict[str, Any]], bytes],
+        mode: int,
+    ) -> None:
+        """Write ``state.pt`` and the manifest into ``staging`` (which may hold other files already,
+        fsynced), then rename it onto ``target``; on any failure the staging directory is removed."""
+        target = os.path.abspath(target)
+        where = staging
         try:
             where = os.path.join(staging, _STATE_FILE)
             info = self._write_state(where, mode, payload)
@@ -268,6 +287,7 @@ class _LocalStorage:
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(err, OSError):
+                untouched = "the checkpoints saved before are untouched"
                 explained = _write_error(err, target, where, untouched=untouched)
                 if explained is not err:
                     raise explained from err
@@ -487,7 +507,7 @@ def _check_replaceable(target: str, contents: set[str] | None) -> None:
     # Saving over an existing path must never delete someone's unrelated files.
     if contents is None:
         return
-    foreign = sorted(contents - _OWN_FILES)
+    foreign = _foreign_files(contents)
     if foreign:
         raise FileExistsError(
             f"{redact_url(target)} already exists and holds files that are not part of a distkit checkpoint "

@@ -2,8 +2,10 @@
 
 ``state.pt`` is one ``torch.save`` written through a sink that coalesces small writes and can
 checksum on the way; ``manifest.json`` records its size and CRC32 and is built and parsed here,
-field by field. Where the files live and how they are opened is :mod:`distkit._checkpoint_files`'
-concern.
+field by field. A sharded checkpoint adds the files of torch's Distributed Checkpoint (``.metadata``
+and one ``__<rank>_<n>.distcp`` per rank), all listed in the same manifest, whose ``format`` then
+says ``distkit-sharded-checkpoint``. Where the files live and how they are opened is
+:mod:`distkit._checkpoint_files`' concern.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ _STATE_FILE = "state.pt"
 _MANIFEST_FILE = "manifest.json"
 _OWN_FILES = frozenset({_STATE_FILE, _MANIFEST_FILE})
 _FORMAT = "distkit-checkpoint"
+# A sharded checkpoint's format has its own name, so that a distkit without sharded checkpoints
+# reports one as unreadable (skipped by latest(), kept by retention) instead of loading its state.pt
+# alone, which holds everything but the sharded modules and optimizers.
+_SHARDED_FORMAT = "distkit-sharded-checkpoint"
+# The files torch.distributed.checkpoint's FileSystemWriter writes: the global metadata (through a
+# temporary name), and each rank's data files.
+_DCP_METADATA_FILE = ".metadata"
+_DCP_FILE_RE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp)$")
 _FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # Leftovers of a local save or delete that was killed: temporary names made by distkit._fs.temp_name.
@@ -187,14 +197,34 @@ def _serialize(payload: Mapping[str, Any], write: Callable[[Any], Any], *, check
 # The manifest: written last by a save, checked field by field before a load trusts it.
 
 
+def _is_own_file(name: str) -> bool:
+    """Whether a file of that name in a checkpoint directory is one distkit (or DCP for it) writes."""
+    return name in _OWN_FILES or _DCP_FILE_RE.match(name) is not None
+
+
+def _foreign_files(names: set[str] | frozenset[str]) -> list[str]:
+    return sorted(name for name in names if not _is_own_file(name))
+
+
 def _manifest_builder(
-    step: int | None, metrics: Mapping[str, float] | None, keys: list[str]
+    step: int | None,
+    metrics: Mapping[str, float] | None,
+    keys: list[str],
+    *,
+    sharded: Mapping[str, Any] | None = None,
+    shard_files: Mapping[str, dict[str, Any]] | None = None,
 ) -> Callable[[dict[str, Any]], bytes]:
+    """The manifest, once ``state.pt``'s size and CRC32 are known.
+
+    A full checkpoint's manifest is exactly format 1 of ``distkit-checkpoint``; ``sharded`` (the
+    entries written through DCP and which module each optimizer belongs to) and ``shard_files``
+    (DCP's files, with their sizes and CRC32) make it a ``distkit-sharded-checkpoint``.
+    """
     from distkit import __version__
 
     def build(info: dict[str, Any]) -> bytes:
         manifest = {
-            "format": _FORMAT,
+            "format": _FORMAT if sharded is None else _SHARDED_FORMAT,
             "format_version": _FORMAT_VERSION,
             "step": step,
             "world_size": runtime.get_world_size(),
@@ -203,8 +233,10 @@ def _manifest_builder(
             "created_unix": time.time(),
             "keys": keys,
             "metrics": dict(metrics or {}),
-            "files": {_STATE_FILE: info},
+            "files": {_STATE_FILE: info, **dict(shard_files or {})},
         }
+        if sharded is not None:
+            manifest["sharded"] = dict(sharded)
         return json.dumps(manifest, indent=1).encode()
 
     return build
@@ -285,7 +317,7 @@ def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
         raise malformed(f"is not valid JSON ({err})") from err
     if not isinstance(manifest, dict):
         raise malformed(f"holds a JSON {type(manifest).__name__}, not an object")
-    if manifest.get("format") != _FORMAT:
+    if manifest.get("format") not in (_FORMAT, _SHARDED_FORMAT):
         raise malformed(
             f"has format {_shown(manifest.get('format'))}, not {_FORMAT!r}: it is not a distkit manifest"
         )
@@ -307,4 +339,27 @@ def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
             continue
         if not check(manifest[name]):
             raise malformed(f"has {name} {_shown(manifest[name])}; expected {expected}")
+    if manifest["format"] == _SHARDED_FORMAT:
+        _check_sharded_fields(manifest, malformed)
     return manifest
+
+
+def _is_sharded_manifest(manifest: Mapping[str, Any]) -> bool:
+    return manifest.get("format") == _SHARDED_FORMAT
+
+
+def _check_sharded_fields(
+    manifest: dict[str, Any], malformed: Callable[[str], CheckpointCorruptError]
+) -> None:
+    sharded = manifest.get("sharded")
+    expected = 'an object {"keys": [<entry names>], "optimizers": {<optimizer entry>: <module entry>}}'
+    if not (
+        isinstance(sharded, dict)
+        and isinstance(sharded.get("keys"), list)
+        and all(isinstance(k, str) for k in sharded["keys"])
+        and isinstance(sharded.get("optimizers"), dict)
+        and all(isinstance(k, str) and v in sharded["keys"] for k, v in sharded["optimizers"].items())
+    ):
+        raise malformed(f"has sharded {_shown(sharded)}; expected {expected}")
+    if _DCP_METADATA_FILE not in manifest["files"]:
+        raise malformed(f"lists no {_DCP_METADATA_FILE} although the checkpoint is sharded")

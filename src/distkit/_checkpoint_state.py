@@ -3,7 +3,10 @@
 Saving: modules unwrapped from DDP, DataParallel and ``torch.compile``, state dicts collected,
 values that ``torch.load(weights_only=True)`` would refuse caught before anything is written, and
 an asynchronous save's copy in CPU memory. Loading: saved keys matched to the target module's
-(``module.`` and ``_orig_mod.`` prefixes), and each entry restored into its object.
+(``module.`` and ``_orig_mod.`` prefixes), and each entry restored into its object; a full state
+dict goes into a sharded (DTensor, FSDP2) module or optimizer through DCP's ``set_*_state_dict``,
+each rank keeping its own slices, and an optimizer state saved by parameter name (a consolidated
+sharded checkpoint) into any optimizer through its module.
 """
 
 from __future__ import annotations
@@ -42,6 +45,47 @@ _PLAIN_LEAVES = frozenset(
 )
 _PLAIN_CONTAINERS = frozenset({dict, OrderedDict, Counter, list, tuple, set})
 _PLAIN_TENSORS = frozenset({torch.Tensor, nn.Parameter})
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharded parameters (DTensors, as FSDP2's fully_shard makes them) and the module of each optimizer.
+
+
+def _is_dtensor(value: Any) -> bool:
+    if type(value) in _PLAIN_TENSORS:
+        return False  # the common case, without importing torch.distributed.tensor
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _parameters_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, nn.Module):
+        return list(value.parameters())
+    if isinstance(value, torch.optim.Optimizer):
+        return [p for group in value.param_groups for p in group["params"]]
+    return []
+
+
+def _holds_dtensors(value: Any) -> bool:
+    return any(_is_dtensor(p) for p in _parameters_of(value))
+
+
+def _optimizer_owners(state: Mapping[str, Any]) -> dict[str, str]:
+    """Optimizer entry -> the first module entry of ``state`` that holds all of its parameters."""
+    modules = {
+        key: {id(p) for p in value.parameters()}
+        for key, value in state.items()
+        if isinstance(value, nn.Module)
+    }
+    owners = {}
+    for key, value in state.items():
+        if isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for p in _parameters_of(value)}
+            owner = next((name for name, ids in modules.items() if params <= ids), None)
+            if owner is not None:
+                owners[key] = owner
+    return owners
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,29 +303,132 @@ def _load_module(name: str, module: nn.Module, saved: Mapping[str, Any], strict:
             )
         saved = remapped
     try:
-        inner.load_state_dict(saved, strict=strict)
-    except RuntimeError as err:
+        if _holds_dtensors(inner):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # Each rank copies its own slices out of the full tensors: no communication.
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(inner, dict(saved), options=options)
+        else:
+            inner.load_state_dict(saved, strict=strict)
+    except (RuntimeError, KeyError, ValueError) as err:
         raise DistkitError(f"could not restore state[{name!r}] into {type(inner).__name__}: {err}") from err
 
 
-def _restore(path: str, loaded: Mapping[str, Any], state: Mapping[str, Any], strict: bool) -> None:
-    missing = [key for key in state if key not in loaded]
+def _saved_by_name(saved: Any) -> bool:
+    """Whether an optimizer state dict names its parameters (DCP's form) instead of numbering them."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    return bool(groups) and any(isinstance(p, str) for group in groups for p in group.get("params", []))
+
+
+def _by_name(
+    name: str, module: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``saved`` (parameters numbered in the order of the optimizer's groups) keyed by parameter name."""
+    names = {id(p): _without_compile_segments(n) for n, p in _unwrap(module).named_parameters()}
+    order = [names[id(p)] for p in _parameters_of(optimizer)]
+    numbers = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(numbers) != len(order):
+        raise DistkitError(
+            f"could not restore state[{name!r}]: the checkpoint's optimizer has {len(numbers)} "
+            f"parameters and this one {len(order)}; build the optimizer as it was when saved."
+        )
+    by_number = dict(zip(numbers, order, strict=True))
+    return {
+        "state": {by_number[i]: value for i, value in saved["state"].items()},
+        "param_groups": [
+            {**group, "params": [by_number[i] for i in group["params"]]} for group in saved["param_groups"]
+        ],
+    }
+
+
+def _has_parameter_state(saved: Mapping[str, Any]) -> bool:
+    return any(
+        isinstance(value, torch.Tensor) and value.dim() > 0
+        for per_param in saved.get("state", {}).values()
+        for value in (per_param.values() if isinstance(per_param, Mapping) else ())
+    )
+
+
+def _restore_group_settings(name: str, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    groups = saved.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        raise DistkitError(
+            f"could not restore state[{name!r}] into {type(optimizer).__name__}: the checkpoint has "
+            f"{len(groups)} parameter group(s), the optimizer {len(optimizer.param_groups)}."
+        )
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+
+
+def _load_optimizer(
+    name: str, optimizer: torch.optim.Optimizer, saved: Any, module: nn.Module | None, strict: bool
+) -> None:
+    by_name = _saved_by_name(saved)
+    if not by_name and not _holds_dtensors(optimizer):
+        optimizer.load_state_dict(saved)
+        return
+    if module is None:
+        raise DistkitError(
+            f"restoring state[{name!r}] needs the module it trains in the same state, e.g. "
+            f"{{'model': model, {name!r}: optimizer}}: "
+            + (
+                "the checkpoint saved this optimizer by parameter name."
+                if by_name
+                else "its parameters are sharded (DTensors), loaded by parameter name."
+            )
+        )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    named = saved if by_name else _by_name(name, module, optimizer, saved)
+    if not _has_parameter_state(named):
+        # Nothing per parameter to place (SGD without momentum): torch's loader needs a tensor of
+        # the optimizer's state to find the device and asserts without one, so only the groups'
+        # settings are restored.
+        _restore_group_settings(name, optimizer, named)
+        return
+    try:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_optimizer_state_dict(module, optimizer, named, options=options)
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise DistkitError(
+            f"could not restore state[{name!r}] into {type(optimizer).__name__}: {err}"
+        ) from err
+
+
+def _restore(
+    path: str,
+    loaded: Mapping[str, Any],
+    state: Mapping[str, Any],
+    strict: bool,
+    *,
+    elsewhere: frozenset[str] = frozenset(),
+    stacklevel: int = 3,
+) -> None:
+    """Restore ``loaded`` into the objects of ``state``; ``elsewhere`` names the entries a caller
+    restores itself (a sharded checkpoint's modules and optimizers)."""
+    missing = [key for key in state if key not in loaded and key not in elsewhere]
     if missing and strict:
         raise DistkitError(
-            f"checkpoint {redact_url(path)} has no entries {missing}; it holds {sorted(loaded)}. Rename "
+            f"checkpoint {redact_url(path)} has no entries {missing}; it holds "
+            f"{sorted({*loaded, *elsewhere})}. Rename "
             f"the keys of state to match, or pass strict=False to skip the missing ones."
         )
     if missing:
         warnings.warn(
             f"{_label()} checkpoint {redact_url(path)} has no entries {missing}; they were left as they are.",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
+    owners: dict[str, str] | None = None
     for key, target in list(state.items()):
-        if key not in loaded:
+        if key not in loaded or key in elsewhere:
             continue
         value = loaded[key]
         if isinstance(target, nn.Module):
             _load_module(key, target, value, strict)
+        elif isinstance(target, torch.optim.Optimizer):
+            owners = _optimizer_owners(state) if owners is None else owners
+            _load_optimizer(key, target, value, state[owners[key]] if key in owners else None, strict)
         elif callable(getattr(target, "load_state_dict", None)):
             target.load_state_dict(value)
         elif isinstance(target, torch.Tensor):

@@ -1,4 +1,5 @@
-"""The ``distkit`` command: ``distkit env`` checks the configuration, ``distkit bench`` measures scaling.
+"""The ``distkit`` command: ``distkit env`` checks the configuration, ``distkit bench`` measures scaling,
+``distkit checkpoint`` lists, inspects and consolidates checkpoints.
 
 ``distkit env [--json]`` reports versions, GPUs, the launcher detected, what :func:`distkit.init`
 would pick and the relevant environment variables, with the problems it sees; it exits with 1
@@ -7,7 +8,7 @@ process counts and batch sizes, in interleaved repetitions, and writes a CSV, PN
 recommendation that states how sure it is; ``distkit bench --profile`` runs the scaling advisor
 instead (:func:`distkit.profile_scaling`). The parser imports no torch, so ``distkit --help`` and
 ``distkit --version`` answer at once; the bench command itself lives in
-:mod:`distkit.bench._command`.
+:mod:`distkit.bench._command`, the checkpoint command in :mod:`distkit._checkpoint_command`.
 """
 
 from __future__ import annotations
@@ -264,6 +265,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _command.run_bench(args)
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from distkit import _checkpoint_command
+
+    return _checkpoint_command.run_checkpoint_command(args)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -297,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="distkit", description="distkit: distributed PyTorch, checked and measured."
     )
     parser.add_argument("--version", action="version", version=f"distkit {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,bench,checkpoint}")
 
     env = commands.add_parser(
         "env", help="check the configuration: versions, GPUs, launcher, backend, variables"
@@ -411,6 +418,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_cmd_bench)
 
+    checkpoint = commands.add_parser(
+        "checkpoint",
+        help="list, inspect or consolidate checkpoints",
+        description="List the step checkpoints of a CheckpointManager directory, inspect one checkpoint's "
+        "manifest, or consolidate a sharded checkpoint into one full state.pt for inference.",
+    )
+    actions = checkpoint.add_subparsers(dest="action", required=True, metavar="{list,inspect,consolidate}")
+    listing = actions.add_parser("list", help="the step checkpoints of a directory and their state")
+    listing.add_argument("directory", help="a CheckpointManager directory (local path or fsspec URL)")
+    inspect = actions.add_parser("inspect", help="one checkpoint's manifest: step, format, entries, files")
+    inspect.add_argument("path", help="a checkpoint directory (local path or fsspec URL)")
+    for sub in (listing, inspect):
+        sub.add_argument(
+            "--verify", action="store_true", help="also check every file's CRC32 (reads them all)"
+        )
+        sub.add_argument("--json", action="store_true", help="print JSON for machines")
+    consolidate = actions.add_parser(
+        "consolidate",
+        help="write a (sharded) checkpoint as one full checkpoint",
+        description="Verify SRC and write it to DST as one full checkpoint, whatever world size saved it: "
+        "DST/state.pt loads with torch.load(path, weights_only=True), without distkit.",
+    )
+    consolidate.add_argument("src", help="the checkpoint to read (sharded or full)")
+    consolidate.add_argument("dst", help="the full checkpoint directory to write")
+    checkpoint.set_defaults(func=_cmd_checkpoint)
     return parser
 
 
@@ -423,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        0 on success; 1 when ``env`` found an error or ``bench`` failed; 2 on a usage error.
+        0 on success; 1 when ``env`` found an error, ``bench`` failed, or ``checkpoint`` found the
+        checkpoint missing, corrupt or not consolidable; 2 on a usage error.
 
     Example:
         >>> from distkit.cli import main

@@ -1,0 +1,195 @@
+"""Writing and reading one checkpoint (private): the collective save, the verified load, restoring.
+
+:func:`_save_checkpoint` is :func:`distkit.save_checkpoint` and every save of a
+:class:`~distkit.CheckpointManager`: rank 0 writes a full checkpoint, or every rank writes its
+shards of a sharded one (:mod:`distkit._checkpoint_sharded`), and the other ranks learn the outcome
+(:mod:`distkit._checkpoint_commit`). :func:`_load_verified` checks every file against the manifest
+while ``state.pt`` is loaded weights-only, and :func:`_restore_into` puts what was loaded into live
+objects, through DCP for a sharded checkpoint's modules and optimizers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from distkit import runtime
+from distkit._checkpoint_commit import (
+    _check_file_mode,
+    _Handshake,
+    _metrics_for_manifest,
+    _reported_to_the_others,
+    _resolve_timeout,
+)
+from distkit._checkpoint_errors import CheckpointCorruptError
+from distkit._checkpoint_files import _check_crc, _join, _Storage, _storage_for, _verify
+from distkit._checkpoint_format import _STATE_FILE, _is_sharded_manifest, _manifest_builder, _run_beside
+from distkit._checkpoint_resume import ResumeState
+from distkit._checkpoint_sharded import _load_everything, _restore_sharded, _save_sharded, _use_sharded
+from distkit._checkpoint_state import _check_loadable, _check_state, _collect, _restore
+from distkit._secrets import redact_url
+from distkit.errors import DistkitError
+
+# --------------------------------------------------------------------------------------------------
+# Writing: rank 0 writes a full checkpoint, every rank its shards of a sharded one.
+
+
+def _save_checkpoint(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    step: int | None,
+    metrics: Mapping[str, float] | None,
+    collective: bool,
+    file_mode: int,
+    timeout_s: float | None,
+    guard: Callable[[], None] | None,
+    storage: _Storage | None,
+    sharded: bool | str = "auto",
+) -> str:
+    """:func:`save_checkpoint`, with ``guard`` called by rank 0 before it changes or commits anything
+    (a :class:`CheckpointManager`'s writer-lease check), into ``storage`` when it is given (the
+    manager's own, so that its scrubber is built once, not at every save)."""
+    _check_file_mode(file_mode)
+    _check_state(state)
+    storage, target = _storage_for(path) if storage is None else (storage, os.fspath(path))
+    metrics_json = _metrics_for_manifest(metrics)
+    wait_s = _resolve_timeout(timeout_s)
+    multi = runtime.get_world_size() > 1
+    if multi and not collective and any(isinstance(v, ResumeState) for v in state.values()):
+        raise ValueError(
+            "a ResumeState gathers every rank's RNG state, so save_checkpoint() must run on every "
+            "rank with collective=True when the state holds one."
+        )
+    if _use_sharded(state, sharded):
+        if multi and not collective:
+            raise ValueError(
+                "a sharded checkpoint is written by every rank, so save_checkpoint() must run on "
+                "every rank with collective=True when the state holds sharded modules."
+            )
+        handshake = _Handshake(f"checkpoint {redact_url(target)}", wait_s) if multi else None
+        sharded_save = functools.partial(
+            _save_sharded,
+            storage,
+            target,
+            state,
+            step=step,
+            metrics=metrics_json,
+            file_mode=file_mode,
+            guard=guard,
+            collect=_collect,
+            check=_check_loadable,
+        )
+        if handshake is not None and runtime.get_rank() != 0:
+            sharded_save()  # this rank's shards; raises its own failure
+            handshake.settle_other()
+            return target
+        with _reported_to_the_others(handshake):
+            sharded_save()
+        return target
+    handshake = _Handshake(f"checkpoint {redact_url(target)}", wait_s) if multi and collective else None
+    if handshake is not None and runtime.get_rank() != 0:
+        _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
+        handshake.settle_other()
+        return target
+    with _reported_to_the_others(handshake):
+        payload = _collect(state)
+        _check_loadable(payload)
+        storage.write_checkpoint(
+            target, payload, _manifest_builder(step, metrics_json, list(payload)), file_mode, guard
+        )
+    return target
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading back: verify, then load with weights_only=True, then restore into live objects.
+
+
+def _map_location(map_location: Any) -> Any:
+    return runtime.get_device() if isinstance(map_location, str) and map_location == "auto" else map_location
+
+
+def _load_verified(storage: _Storage, path: str, map_location: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    manifest = _verify(storage, path, checksums=False)
+    files = manifest["files"]
+    source, checksums = storage.open_state(path, files)
+
+    # The weights-only unpickler cannot run code whatever the bytes, so it runs while another thread
+    # computes the checksums (loads take about as long as torch.load alone); nothing is returned or
+    # restored into the caller's objects unless every checksum matches.
+    def load() -> tuple[Any, Exception | None]:
+        try:
+            return torch.load(source, map_location=_map_location(map_location), weights_only=True), None
+        except Exception as err:
+            return None, err
+
+    try:
+        actual, (loaded, failure) = _run_beside(checksums, load)
+    finally:
+        source.close()
+    for name, info in files.items():
+        _check_crc(path, name, info, actual[name])  # a damaged file explains any load failure
+    if isinstance(failure, pickle.UnpicklingError):
+        lines = str(failure).splitlines()
+        detail = next((line.strip() for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+        raise DistkitError(
+            f"refused to load {redact_url(_join(path, _STATE_FILE))}: it holds objects that torch.load("
+            f"weights_only=True) does not allow ({detail}). distkit never unpickles arbitrary "
+            f"objects, because unpickling can run code. If you made this file and trust it, allow "
+            f"its types with torch.serialization.add_safe_globals([...])."
+        ) from failure
+    if failure is not None:
+        raise failure
+    if not isinstance(loaded, dict):
+        raise CheckpointCorruptError(path, f"{_STATE_FILE} holds a {type(loaded).__name__}, not a dict")
+    return loaded, manifest
+
+
+def _restore_into(
+    path: str,
+    loaded: dict[str, Any],
+    manifest: Mapping[str, Any],
+    state: Mapping[str, Any] | None,
+    strict: bool,
+    *,
+    stacklevel: int,
+) -> dict[str, Any]:
+    """Restore a verified checkpoint into ``state``; return everything it holds, as loaded.
+
+    A sharded checkpoint's modules and optimizers are read through DCP: into the objects of
+    ``state`` (this rank's slices only), or, without them, in full.
+    """
+    if not _is_sharded_manifest(manifest):
+        if state is not None:
+            _restore(path, loaded, state, strict, stacklevel=stacklevel + 1)
+        return loaded
+    if state is None:
+        return {**loaded, **_load_everything(path)}
+    sharded = frozenset(manifest["sharded"]["keys"])
+    _restore(path, loaded, state, strict, elsewhere=sharded, stacklevel=stacklevel + 1)
+    return {**loaded, **_restore_sharded(path, manifest, state, strict)}
+
+
+def _consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, file_mode: int) -> str:
+    """:func:`distkit.consolidate_checkpoint`: verify ``src``, read it whole, save it full at ``dst``."""
+    storage, source = _storage_for(src)
+    loaded, manifest = _load_verified(storage, source, "cpu")
+    full = _restore_into(source, loaded, manifest, None, True, stacklevel=2)
+    metrics = manifest.get("metrics") or None
+    return _save_checkpoint(
+        dst,
+        full,
+        step=manifest["step"],
+        metrics=metrics,
+        collective=False,
+        file_mode=file_mode,
+        timeout_s=None,
+        guard=None,
+        storage=None,
+        sharded=False,
+    )
