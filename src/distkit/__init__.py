@@ -97,6 +97,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         seed_everything as seed_everything,
         seed_worker as seed_worker,
     )
+    from distkit.sharding import shard_model as shard_model
     from distkit.storage import (
         ChecksumMismatchError as ChecksumMismatchError,
         LockTimeoutError as LockTimeoutError,
@@ -109,6 +110,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         CSVLogger as CSVLogger,
         DDPStrategy as DDPStrategy,
         EarlyStopping as EarlyStopping,
+        FSDPStrategy as FSDPStrategy,
         LearningRateMonitor as LearningRateMonitor,
         Logger as Logger,
         ModelCheckpoint as ModelCheckpoint,
@@ -198,6 +200,8 @@ _LAZY: dict[str, str] = {
     "Trainer": "distkit.trainer",
     "Callback": "distkit.trainer",
     "DDPStrategy": "distkit.trainer",
+    "FSDPStrategy": "distkit.trainer",
+    "shard_model": "distkit.sharding",
     "ModelCheckpoint": "distkit.trainer",
     "EarlyStopping": "distkit.trainer",
     "LearningRateMonitor": "distkit.trainer",

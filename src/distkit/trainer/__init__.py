@@ -1,4 +1,4 @@
-"""The distkit Trainer: single device, ``nn.DataParallel`` and DDP, with AMP, accumulation,
+"""The distkit Trainer: single device, ``nn.DataParallel``, DDP and FSDP, with AMP, accumulation,
 callbacks, loggers, checkpoints and exact resume, built only from distkit's public helpers.
 
 Example:
@@ -17,7 +17,7 @@ from distkit.trainer.callbacks import (
 )
 from distkit.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from distkit.trainer.metrics import accuracy
-from distkit.trainer.strategies import DDPStrategy
+from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 from distkit.trainer.trainer import Trainer
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Callback",
     "DDPStrategy",
     "EarlyStopping",
+    "FSDPStrategy",
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",

@@ -27,15 +27,29 @@ import tempfile
 import traceback
 import types
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit import runtime
 from distkit._fs import atomic_open
 from distkit.errors import DistkitError
-from distkit.seeding import _capture_process_seeding, _restore_process_seeding
+from distkit.seeding import (
+    _capture_process_seeding,
+    _restore_process_seeding,
+    capture_rng_state,
+    restore_rng_state,
+)
+from distkit.trainer import _setup, strategies
+from distkit.trainer._preemption import _Preempted
+from distkit.trainer._state import _CallbackStates
+from distkit.trainer._strategy import _tree_to_cpu
 from distkit.trainer.strategies import LOCAL_RUN_PREFIX
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from distkit.trainer.trainer import Trainer
 
 __all__: list[str] = []
 
@@ -246,8 +260,6 @@ def _worker(payload: bytes, errors: str) -> bytes:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # for the processes this worker starts, as torchrun's
         torch.set_num_threads(1)
-    from distkit.trainer.trainer import _Preempted
-
     trainer, model, args, kwargs, state = pickle.loads(payload)
     _apply_process_state(state)
     preempted = False
@@ -258,5 +270,76 @@ def _worker(payload: bytes, errors: str) -> bytes:
     except BaseException as err:
         _report_failure(errors, err)
         raise
-    outcome = trainer._outcome(preempted) if runtime.is_main_process() else None
+    # On every rank: a sharded model is gathered from all of them (None on the other ranks).
+    outcome = worker_outcome(trainer, preempted)
     return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def run_workers(
+    trainer: Trainer, plan: strategies._Plan, model: nn.Module, data: tuple[Any, Any], kwargs: dict[str, Any]
+) -> None:
+    """Train on ``plan.local_processes`` new processes, then take over rank 0's final state."""
+    check_main_guard(plan.local_processes)
+    payload = serialize(
+        "the trainer, model, data, optimizer and functions",
+        (trainer, model, data, kwargs, process_state()),
+    )
+    results = launch(plan.local_processes, payload)
+    final = pickle.loads(results[0])
+    take_outcome(trainer, model, kwargs, final)
+    trainer.world_size = plan.world_size
+    if final["preempted"]:
+        raise _Preempted()
+
+
+def worker_outcome(trainer: Trainer, preempted: bool) -> dict[str, Any] | None:
+    """What rank 0 of launched workers sends back to the process that started them (``None`` on
+    the other ranks). Collective: a sharded model is gathered from every rank."""
+    assert trainer.model is not None and trainer.optimizer is not None and trainer._strategy is not None
+    full = trainer._strategy.full_state(trainer.model, trainer.optimizer)
+    if full is None:
+        return None
+    scheduler = trainer.lr_scheduler
+    return {
+        "model": full[0],
+        "optimizer": full[1],
+        "lr_scheduler": None if scheduler is None else _tree_to_cpu(scheduler.state_dict()),
+        "callbacks": _tree_to_cpu(_CallbackStates(trainer.callbacks).state_dict()),
+        "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+        "skipped_steps": trainer.skipped_steps,
+        "should_stop": trainer._should_stop,
+        "callback_metrics": dict(trainer.callback_metrics),
+        "rng": capture_rng_state(),
+        "preempted": preempted,
+    }
+
+
+def take_outcome(
+    trainer: Trainer, model: nn.Module, kwargs: Mapping[str, Any], outcome: Mapping[str, Any]
+) -> None:
+    """Make this (launching) process's objects what rank 0's were at the end of ``fit``.
+
+    The model, the optimizer (the object passed, or one the factory makes here over ``model``'s
+    parameters), the scheduler likewise, the callbacks' ``state_dict()``, the counters and
+    metrics, and the random generators: code after ``fit`` sees what rank 0 of a torchrun job
+    would. Local.
+    """
+    model.load_state_dict(outcome["model"])
+    trainer.model = model
+    trainer.optimizer = _setup.make_optimizer(trainer, model, kwargs["optimizer"])
+    # Made before the optimizer's state is loaded: a new scheduler sets the learning rates.
+    trainer.lr_scheduler = _setup.make_scheduler(trainer, kwargs["lr_scheduler"])
+    trainer.optimizer.load_state_dict(outcome["optimizer"])
+    if trainer.lr_scheduler is not None and outcome["lr_scheduler"] is not None:
+        trainer.lr_scheduler.load_state_dict(outcome["lr_scheduler"])
+    _CallbackStates(trainer.callbacks).load_state_dict(outcome["callbacks"])
+    checkpoint = trainer._checkpoint_callback()
+    if checkpoint is not None:
+        checkpoint.setup(trainer)  # its manager reads the workers' checkpoints (latest(), best())
+    trainer.global_step = outcome["global_step"]
+    trainer.current_epoch = outcome["current_epoch"]
+    trainer.skipped_steps = outcome["skipped_steps"]
+    trainer._should_stop = outcome["should_stop"]
+    trainer.callback_metrics = outcome["callback_metrics"]
+    restore_rng_state(outcome["rng"])

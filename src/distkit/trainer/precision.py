@@ -45,11 +45,12 @@ class Precision:
     :meth:`step` unscale each optimizer step's gradients exactly once between them.
     """
 
-    def __init__(self, precision: str, device: torch.device) -> None:
+    def __init__(self, precision: str, device: torch.device, *, autocast: bool = True) -> None:
         self.precision = precision
         self.device = device
         dtypes = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-        self.dtype: torch.dtype | None = dtypes.get(precision)
+        # autocast=False: the strategy applies the precision itself (FSDP's MixedPrecisionPolicy).
+        self.dtype: torch.dtype | None = dtypes.get(precision) if autocast else None
         if precision == "16-mixed" and device.type != "cuda":
             raise DistkitError(
                 f"precision='16-mixed' needs a CUDA device, but this rank trains on {device}; use "

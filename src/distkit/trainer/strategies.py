@@ -1,9 +1,10 @@
-"""Where the model runs: one device, ``nn.DataParallel`` over several GPUs, or DDP over processes.
+"""Where the model runs: one device, ``nn.DataParallel`` over several GPUs, DDP or FSDP over processes.
 
 The strategy is resolved once per :meth:`distkit.Trainer.fit` from the ``strategy`` and ``devices``
 the user gave and from the job this process is in (a launcher's variables, or none). The result,
 a :class:`_Plan`, says how many processes run, which device each uses, and whether ``fit`` must
-start the processes itself.
+start the processes itself. What the loop does differently per strategy lives in the strategy
+objects of :mod:`distkit.trainer._strategy` (single, DP, DDP) and :mod:`distkit.trainer._fsdp`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torch import nn
 from distkit import runtime
 from distkit.env import detect_env
 from distkit.errors import DistkitError
+from distkit.sharding import _check_sharding_options
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "FSDPStrategy"]
 
 # Run ids of the jobs fit() starts itself (launch.py), so the start-up report can say so.
 LOCAL_RUN_PREFIX = "distkit-fit-"
 
-_NAMES = ("auto", "single", "dp", "ddp")
+_NAMES = ("auto", "single", "dp", "ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -78,15 +80,63 @@ class DDPStrategy:
         return kwargs
 
 
-def check_strategy(strategy: object) -> str | DDPStrategy:
+@dataclass(frozen=True)
+class FSDPStrategy:
+    """Fully sharded data parallelism (torch's FSDP2) with its options, for ``Trainer(strategy=...)``.
+
+    Local: configuration only. ``strategy="fsdp"`` is ``FSDPStrategy()``. Every rank holds
+    ``1/world_size`` of the parameters, gradients and optimizer state; the model is sharded in
+    place, unit by unit, as :func:`distkit.shard_model` does (see its options and ``docs/fsdp.md``).
+    The Trainer's ``precision="bf16-mixed"`` becomes FSDP's ``MixedPrecisionPolicy`` (bfloat16
+    parameters and compute, float32 gradient reduction) instead of autocast, and
+    ``Trainer(compile=True)`` compiles each unit before sharding. In a world of one (one process,
+    no launcher) nothing is sharded and the model trains as under ``strategy="single"``.
+
+    Attributes:
+        unit_classes: Module classes that form the sharding units (e.g. a transformer block).
+        min_unit_params: Without ``unit_classes``: the smallest parameter count of a unit
+            (``None``: 1,000,000).
+        reshard_after_forward: Free each unit's gathered parameters after its forward pass
+            (least memory); ``False`` keeps them until backward (one all-gather fewer per unit).
+        cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory.
+        activation_checkpointing: Recompute each unit's activations in backward.
+        backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL on CUDA, else gloo).
+        timeout_s: Deadline of every collective; ``None`` is :data:`distkit.DEFAULT_TIMEOUT_S`.
+
+    Example:
+        >>> import distkit
+        >>> trainer = distkit.Trainer(strategy=FSDPStrategy(min_unit_params=10_000), max_steps=1)
+    """
+
+    unit_classes: tuple[type[nn.Module], ...] = ()
+    min_unit_params: int | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    backend: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        classes = _check_sharding_options(
+            unit_classes=self.unit_classes, min_unit_params=self.min_unit_params, mixed_precision=None
+        )
+        object.__setattr__(self, "unit_classes", classes)
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}.")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}.")
+
+
+def check_strategy(strategy: object) -> str | DDPStrategy | FSDPStrategy:
     """Validate the ``strategy`` argument of the Trainer (local, no device probing)."""
-    if isinstance(strategy, DDPStrategy):
+    if isinstance(strategy, (DDPStrategy, FSDPStrategy)):
         return strategy
     if isinstance(strategy, str) and strategy in _NAMES:
         return strategy
     raise ValueError(
-        f"strategy must be one of {list(_NAMES)} or a DDPStrategy(...), got {strategy!r}. Use 'ddp' for "
-        f"several processes (CPU or GPU), 'dp' for nn.DataParallel over the GPUs of one process."
+        f"strategy must be one of {list(_NAMES)}, a DDPStrategy(...) or an FSDPStrategy(...), got "
+        f"{strategy!r}. Use 'ddp' for several processes (CPU or GPU), 'fsdp' to shard the model, its "
+        f"gradients and optimizer state over them, 'dp' for nn.DataParallel over the GPUs of one process."
     )
 
 
@@ -130,7 +180,7 @@ def check_cuda_indices(indices: Sequence[int], what: str) -> None:
 class _Plan:
     """How one ``fit`` runs: what every process does and whether ``fit`` starts the processes."""
 
-    # "single", "dp" or "ddp".
+    # "single", "dp", "ddp" or "fsdp".
     kind: str
     # Processes on this node (to start, or already running) and in the whole job.
     local_processes: int
@@ -143,12 +193,22 @@ class _Plan:
     # the device distkit.init() picks (cuda:<local_rank> when CUDA is available, else the CPU).
     cuda_indices: tuple[int, ...] = ()
     ddp: DDPStrategy = field(default_factory=DDPStrategy)
+    fsdp: FSDPStrategy = field(default_factory=FSDPStrategy)
+
+    @property
+    def options(self) -> DDPStrategy | FSDPStrategy:
+        """The options of the multi-process strategy (backend and timeout included)."""
+        return self.fsdp if self.kind == "fsdp" else self.ddp
 
     def device(self) -> torch.device:
         """This process's device (DP: the first of its devices, where outputs are gathered)."""
         if not self.cuda_indices:
             return runtime.get_device()
-        index = self.cuda_indices[runtime.get_local_rank()] if self.kind == "ddp" else self.cuda_indices[0]
+        index = (
+            self.cuda_indices[runtime.get_local_rank()]
+            if self.kind in ("ddp", "fsdp")
+            else self.cuda_indices[0]
+        )
         return torch.device("cuda", index)
 
 
@@ -175,7 +235,7 @@ def _auto_name(devices: int | str | tuple[int, ...], world_size: int, in_job: bo
     return "single"
 
 
-def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -> _Plan:
+def resolve(strategy: str | DDPStrategy | FSDPStrategy, devices: int | str | tuple[int, ...]) -> _Plan:
     """Turn the Trainer's ``strategy``/``devices`` and this process's job into a :class:`_Plan`.
 
     Local: reads the environment and counts CUDA devices.
@@ -183,14 +243,19 @@ def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -
     launcher, world_size, local_world_size = _job()
     in_job = launcher != "none"
     ddp = strategy if isinstance(strategy, DDPStrategy) else DDPStrategy()
-    name = "ddp" if isinstance(strategy, DDPStrategy) else strategy
+    fsdp = strategy if isinstance(strategy, FSDPStrategy) else FSDPStrategy()
+    if isinstance(strategy, (DDPStrategy, FSDPStrategy)):
+        name = "ddp" if isinstance(strategy, DDPStrategy) else "fsdp"
+    else:
+        name = strategy
     if name == "auto":
         name = _auto_name(devices, world_size, in_job)
 
     if name in ("single", "dp") and world_size > 1:
         raise DistkitError(
             f"strategy={name!r} runs in one process, but this process is rank {runtime.get_rank()} of a "
-            f"{world_size}-process job started by {launcher}. Use strategy='ddp' under a launcher, or "
+            f"{world_size}-process job started by {launcher}. Use strategy='ddp' (or 'fsdp') under a "
+            f"launcher, or "
             f"start the script with plain `python` for strategy={name!r}."
         )
 
@@ -228,8 +293,8 @@ def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -
             )
         if isinstance(devices, tuple):
             check_cuda_indices(devices, f"devices={list(devices)}")
-            return _Plan("ddp", local_world_size, world_size, False, launcher, devices, ddp)
-        return _Plan("ddp", local_world_size, world_size, False, launcher, (), ddp)
+            return _Plan(name, local_world_size, world_size, False, launcher, devices, ddp, fsdp)
+        return _Plan(name, local_world_size, world_size, False, launcher, (), ddp, fsdp)
 
     if isinstance(devices, tuple):
         check_cuda_indices(devices, f"devices={list(devices)}")
@@ -239,7 +304,7 @@ def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -
             # One process per GPU has no CPU counterpart (one per core would oversubscribe the
             # cores with intra-op threads), and one process would be DDP in name only.
             raise DistkitError(
-                "strategy='ddp' with devices='auto' outside a launcher starts one process per GPU, but "
+                f"strategy={name!r} with devices='auto' outside a launcher starts one process per GPU, but "
                 "CUDA is not available here, so the number of processes is unknown. Pass devices=N "
                 "(e.g. devices=2) to start N CPU processes, or start the script with "
                 "`torchrun --nproc_per_node=N`."
@@ -252,18 +317,4 @@ def resolve(strategy: str | DDPStrategy, devices: int | str | tuple[int, ...]) -
                 f"devices={count} asks for {count} processes, one per GPU, but this machine has "
                 f"{torch.cuda.device_count()} GPU(s); pass devices<={torch.cuda.device_count()}."
             )
-    return _Plan("ddp", count, count, count > 1, launcher, indices, ddp)
-
-
-def wrap(module: nn.Module, plan: _Plan, device: torch.device) -> nn.Module:
-    """Move ``module`` to ``device`` and wrap it for the plan: DDP, DataParallel, or nothing.
-
-    Collective for DDP (its constructor broadcasts rank 0's parameters): call on every rank.
-    """
-    module.to(device)
-    if plan.kind == "dp":
-        return nn.DataParallel(module, device_ids=list(plan.cuda_indices), output_device=device)
-    if plan.kind == "ddp" and runtime.get_world_size() > 1:
-        device_ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **plan.ddp.ddp_kwargs())
-    return module
+    return _Plan(name, count, count, count > 1, launcher, indices, ddp, fsdp)

@@ -1,0 +1,232 @@
+"""Fully sharded data parallelism (FSDP2) for hand-written loops, applied as the Trainer applies it.
+
+:func:`shard_model` turns a model into torch's FSDP2 modules (``torch.distributed.fsdp.fully_shard``)
+in place: each rank then holds a ``1/world_size`` shard of every parameter, of its gradient and of
+the optimizer state made over it. The model is cut into *sharding units*, each all-gathered just
+before its forward pass and freed again after it, so no rank ever holds more than the whole model's
+shards plus one unit in full. The root module is always a unit of its own (it holds whatever the
+units leave over).
+
+Units are chosen by module classes (``unit_classes=(Block,)``, as torchtitan shards a transformer
+block by block) or, when no classes are given, by a parameter-count rule: every module that holds
+at least ``min_unit_params`` parameters (its own and its children's that are not in a unit yet),
+innermost first, as FSDP1's ``size_based_auto_wrap_policy`` did.
+
+A hand-written loop then reads (see ``docs/fsdp.md``)::
+
+    model = distkit.shard_model(model)                 # before the optimizer is made
+    optimizer = torch.optim.AdamW(model.parameters())  # over the local shards
+    for micro, batch in enumerate(batches):
+        model.set_requires_gradient_sync(micro == last)  # accumulate without communication
+        loss_fn(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # works on the sharded gradients
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["shard_model"]
+
+# The parameter-count rule's default: a unit as large as a small transformer block (about 1 M
+# parameters, 4 MB in fp32). Smaller units mean more, shorter all-gathers, each with a fixed cost.
+DEFAULT_MIN_UNIT_PARAMS = 1_000_000
+
+
+def _fsdp() -> Any:
+    # torch.distributed.fsdp imports about 0.3 s of modules: only when sharding is used.
+    import torch.distributed.fsdp as fsdp
+
+    return fsdp
+
+
+def _own_params(module: nn.Module, taken: set[int]) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) not in taken)
+
+
+def _select_units(
+    model: nn.Module,
+    *,
+    unit_classes: tuple[type[nn.Module], ...] = (),
+    min_unit_params: int | None = None,
+) -> list[nn.Module]:
+    """The sharding units of ``model`` (not the root), innermost first. Local.
+
+    By ``unit_classes`` when given (every module of those classes except the root), else by the
+    parameter-count rule (``min_unit_params``, :data:`DEFAULT_MIN_UNIT_PARAMS` when ``None``).
+    """
+    if unit_classes:
+        return [m for m in _post_order(model) if m is not model and isinstance(m, unit_classes)]
+    threshold = DEFAULT_MIN_UNIT_PARAMS if min_unit_params is None else min_unit_params
+    units: list[nn.Module] = []
+    taken: set[int] = set()
+    for module in _post_order(model):
+        if module is model:
+            continue
+        if _own_params(module, taken) >= threshold:
+            units.append(module)
+            taken.update(id(p) for p in module.parameters())
+    return units
+
+
+def _post_order(module: nn.Module) -> Iterable[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` recomputed in the backward pass instead of keeping its activations."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _prepare_units(units: list[nn.Module], *, activation_checkpointing: bool, compile: bool) -> None:
+    """Compile and/or checkpoint each unit's ``forward`` in place (before sharding). Local.
+
+    The forward methods are replaced on the instances, not wrapped in new modules, so parameter
+    names (and so checkpoints) stay free of ``_orig_mod.`` and ``_checkpoint_wrapped_module.``.
+    FSDP's hooks sit around ``forward`` (on ``__call__``), outside the compiled region and the
+    recomputed one, as torchtitan arranges them with its wrappers.
+    """
+    for unit in units:
+        forward = unit.forward
+        if compile:
+            forward = torch.compile(forward)
+        if activation_checkpointing:
+            forward = _checkpointed(forward)
+        if forward is not unit.forward:
+            unit.forward = forward  # type: ignore[method-assign]
+
+
+def _check_sharding_options(
+    *, unit_classes: Any, min_unit_params: Any, mixed_precision: Any
+) -> tuple[type[nn.Module], ...]:
+    """Validate the options :func:`shard_model` and ``FSDPStrategy`` share. Local."""
+    classes = (unit_classes,) if isinstance(unit_classes, type) else tuple(unit_classes or ())
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if bad:
+        raise TypeError(f"unit_classes must be nn.Module subclasses, got {bad!r}.")
+    if min_unit_params is not None and (
+        isinstance(min_unit_params, bool) or not isinstance(min_unit_params, int) or min_unit_params < 1
+    ):
+        raise ValueError(f"min_unit_params must be an int >= 1 or None, got {min_unit_params!r}.")
+    if classes and min_unit_params is not None:
+        raise ValueError(
+            f"give unit_classes or min_unit_params, not both (got {[c.__name__ for c in classes]} and "
+            f"{min_unit_params}): classes choose the units, the count rule is for models without them."
+        )
+    if mixed_precision not in (None, "bf16"):
+        raise ValueError(
+            f"mixed_precision must be None (float32) or 'bf16' (bfloat16 parameters and compute, "
+            f"float32 gradient reduction), got {mixed_precision!r}."
+        )
+    return classes
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    unit_classes: type[nn.Module] | Iterable[type[nn.Module]] = (),
+    min_unit_params: int | None = None,
+    reshard_after_forward: bool = True,
+    mixed_precision: str | None = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2, unit by unit, and return it.
+
+    Collective: call on every rank, with the same model (the same parameter shapes) everywhere,
+    before the optimizer is made (the optimizer must hold the sharded parameters). Each rank keeps
+    ``1/world_size`` of every parameter as a ``DTensor``; forward and backward all-gather and
+    reduce-scatter unit by unit. Without a process group it raises: a world of one has nothing to
+    shard (train the plain model).
+
+    Parameters are sharded from what each rank holds: seed the model identically on every rank
+    (``distkit.seed_everything``) or load the same weights before sharding.
+
+    Args:
+        model: The module; it becomes an ``FSDPModule`` (its class changes, its parameter names
+            do not).
+        unit_classes: Module classes that form the units (e.g. a transformer block class).
+        min_unit_params: Without ``unit_classes``: the smallest parameter count of a unit
+            (default 1,000,000). A model smaller than that is one unit (the root).
+        reshard_after_forward: Free each unit's gathered parameters after its forward pass and
+            gather them again in backward (least memory); ``False`` keeps them until backward
+            (one all-gather fewer per unit per step, more memory). The root is never resharded
+            after forward (its backward comes first).
+        mixed_precision: ``"bf16"``: units compute in bfloat16 (parameters cast after the
+            all-gather) and reduce gradients in float32; the sharded parameters, the optimizer and
+            the model's outputs stay float32. ``None``: float32.
+        cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        activation_checkpointing: Recompute each unit's activations in backward instead of keeping
+            them (``torch.utils.checkpoint``, non-reentrant); the root is not checkpointed.
+        compile: ``torch.compile`` each unit's forward before sharding (per unit, as torchtitan
+            does; the root's forward only when it is the one unit); parameter names stay free of
+            ``_orig_mod.``.
+
+    Returns:
+        ``model`` itself, sharded.
+
+    Raises:
+        DistkitError: No process group is initialized.
+        TypeError, ValueError: A misshapen option (the message names it).
+
+    Example:
+        >>> distkit.init()  # doctest: +SKIP
+        >>> model = distkit.shard_model(Transformer(), unit_classes=Block, mixed_precision="bf16")
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # doctest: +SKIP
+    """
+    from distkit.errors import DistkitError
+
+    classes = _check_sharding_options(
+        unit_classes=unit_classes, min_unit_params=min_unit_params, mixed_precision=mixed_precision
+    )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistkitError(
+            "shard_model() shards over the ranks of a process group, but none is initialized. Call "
+            "distkit.init() first (under torchrun), or train the plain model in a single process."
+        )
+    fsdp = _fsdp()
+    units = _select_units(model, unit_classes=classes, min_unit_params=min_unit_params)
+    _prepare_units(units, activation_checkpointing=activation_checkpointing, compile=compile)
+    if compile and not units:
+        # One unit, the root: FSDP's hooks are on its __call__, outside the compiled forward. With
+        # units the root's forward is left alone, as it would trace into their hooks.
+        _prepare_units([model], activation_checkpointing=False, compile=True)
+    kwargs: dict[str, Any] = {}
+    root_kwargs: dict[str, Any] = {}
+    if mixed_precision == "bf16":
+        policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy)
+        # The model's output in float32: the loss is computed in float32, as under autocast.
+        # Between units the activations stay bfloat16.
+        root_kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy, output_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for unit in units:
+        fsdp.fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are gathered first in backward, so resharding it after forward would
+    # only gather them again at once (torchtitan does the same).
+    fsdp.fully_shard(model, reshard_after_forward=False, **{**kwargs, **root_kwargs})
+    # A training_step or validation_step calls the model's layers outside its forward: FSDP then
+    # gathers the root's parameters there too (without this, torch raises "got mixed torch.Tensor
+    # and DTensor" on the first step).
+    for method in ("training_step", "validation_step"):
+        if callable(getattr(model, method, None)):
+            fsdp.register_fsdp_forward_method(model, method)
+    return model

@@ -1,0 +1,325 @@
+"""What ``fit`` does before the first step: process group, strategy, precision, optimizer,
+scheduler, loaders, callbacks, the checkpoint directory's claim and the resume."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distkit import runtime
+from distkit._secrets import redact_url
+from distkit.checkpoint import CheckpointConflictError, load_checkpoint
+from distkit.data import DistributedLoader, distributed_dataloader
+from distkit.seeding import seed_everything
+from distkit.trainer import _report
+from distkit.trainer._state import (
+    _is_inside,
+    _rebind,
+    _track_optimizer_steps,
+)
+from distkit.trainer._step import _StepModule
+from distkit.trainer._strategy import make_strategy
+from distkit.trainer.callbacks import Callback, ModelCheckpoint, _ProgressBar
+from distkit.trainer.precision import Precision
+
+if TYPE_CHECKING:
+    from distkit.trainer.trainer import Trainer
+
+__all__: list[str] = []
+
+_log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+
+def setup(
+    trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any, optimizer: Any, lr_scheduler: Any
+) -> None:
+    """Everything ``fit`` sets up before the loop, in order. Collective (process group, DDP's or FSDP's
+    set-up, the checkpoint claim and the resume)."""
+    plan = trainer._plan
+    assert plan is not None  # fit() sets it first
+    if plan.world_size > 1:
+        local_rank = runtime.get_env().local_rank
+        explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
+        runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
+        # From here on a rank that waits too long is reported (the set-up's own collectives
+        # included: the checkpoint claim, the resume's gathers).
+        trainer._restore_hang = runtime._watch_fit(trainer, trainer.hang_timeout_s, trainer.default_root_dir)
+    trainer.world_size = runtime.get_world_size()
+    trainer.device = plan.device()
+    if trainer.seed is not None:
+        # workers=False: the Trainer hands the seed to its own loaders; the process-wide default
+        # seed of loaders made elsewhere stays as it was.
+        seed_everything(trainer.seed, workers=False)
+
+    trainer.model = model
+    trainer._model_class = type(model)  # FSDP changes the class (MLP becomes FSDPMLP)
+    strategy = trainer._strategy = make_strategy(plan, compile=trainer.compile)
+    trainer._precision = Precision(trainer.precision, trainer.device, autocast=strategy.uses_autocast())
+    # Names of the parameters as given: a strategy that replaces them (FSDP shards them) gets
+    # an optimizer made over the originals rebound to the replacements.
+    names = {id(p): name for name, p in model.named_parameters()}
+    strategy.prepare(model, trainer.device, trainer.precision)
+    trainer._step_module = _StepModule(model, trainer._loss_fn, per_device=plan.kind == "dp")
+    trainer._wrapped = strategy.wrap(trainer._step_module, trainer.device)
+    trainer.optimizer = make_optimizer(trainer, model, optimizer, names)
+    trainer.lr_scheduler = make_scheduler(trainer, lr_scheduler)
+    trainer._params = [p for p in model.parameters() if p.requires_grad]
+    # Gradients the optimizer clears every step (a frozen-but-grad parameter outside it would
+    # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
+    # step in which a rank leaves a parameter unused, so one sentinel is then enough.
+    # A one-dimensional sentinel (a bias) is the cheapest to read: grad[0].item().
+    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    # Under FSDP each rank reads its own shard: one that is not empty on this rank.
+    candidates = [p for p in trainer._params if id(p) in stepped and strategy.local(p).numel() > 0]
+    trainer._sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim()), default=None)
+    trainer._sentinel_is_vector = trainer._sentinel is not None and trainer._sentinel.dim() == 1
+    trainer._scan_all = strategy.scan_all
+    trainer._generators = [torch.default_generator]
+    if trainer.device.type == "cuda":
+        index = trainer.device.index if trainer.device.index is not None else torch.cuda.current_device()
+        trainer._generators.append(torch.cuda.default_generators[index])
+
+    # Under DP one loader batch is split over the GPUs, each of which gets `batch_size`.
+    trainer._replicas = len(plan.cuda_indices) if plan.kind == "dp" else trainer.world_size
+    per_loader = trainer.batch_size * (trainer._replicas if plan.kind == "dp" else 1)
+    trainer._train_loader = make_loader(trainer, train_data, per_loader, evaluation=False)
+    trainer._per_replica_batch = (
+        trainer.batch_size
+        if makes_loader(train_data)
+        else int(getattr(trainer._train_loader, "batch_size", None) or trainer.batch_size)
+    )
+    val_per_loader = trainer.val_batch_size * (trainer._replicas if plan.kind == "dp" else 1)
+    trainer._val_loader = (
+        None if val_data is None else make_loader(trainer, val_data, val_per_loader, evaluation=True)
+    )
+    trainer._num_batches = len(trainer._train_loader)
+    if trainer._num_batches == 0:
+        raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
+
+    trainer._active_callbacks = list(trainer.callbacks)
+    if progress_bar_wanted(trainer):
+        trainer._active_callbacks.insert(0, _ProgressBar())
+    checkpoint = trainer._checkpoint_callback()
+    if checkpoint is not None:
+        checkpoint.setup(trainer)
+        claim(trainer, checkpoint)
+    resumed_from = restore(trainer)
+    if runtime.is_main_process():
+        for logger in trainer.loggers:
+            logger.setup(trainer.default_root_dir, resumed_from)
+            logger.log_hyperparams(_report.hyperparams(trainer))
+    runtime.rank_zero_print(_report.report(trainer, resumed_from))
+    trainer._step_end_callbacks = [
+        cb for cb in trainer._active_callbacks if type(cb).on_train_step_end is not Callback.on_train_step_end
+    ]
+    for cb in trainer._active_callbacks:
+        cb.on_fit_start(trainer)
+
+
+def makes_loader(data: Any) -> bool:
+    """Whether ``data`` is a dataset the Trainer loads itself (not a loader to use as it is)."""
+    return not isinstance(data, (torch.utils.data.DataLoader, DistributedLoader))
+
+
+def make_optimizer(
+    trainer: Trainer, model: nn.Module, optimizer: Any, names: Mapping[int, str] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer passed (rebound to replaced parameters), or the one the factory makes; it must
+    hold this model's parameters only. Local."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a function of the parameters, got "
+                f"{type(optimizer).__name__}."
+            )
+        optimizer = optimizer(model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(optimizer).__name__}, not an Optimizer.")
+    if names:
+        _rebind(optimizer, model, names)
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {foreign} parameter(s) that are not parameters of the model given "
+            f"to fit() (was it made for another copy of the model?). Make it from this model's "
+            f"parameters, or pass a function: optimizer=functools.partial(torch.optim.Adam, lr=1e-3)."
+        )
+    return optimizer
+
+
+def make_scheduler(trainer: Trainer, lr_scheduler: Any) -> Any:
+    """The scheduler passed, or the one the factory makes over the Trainer's optimizer. Local."""
+    if lr_scheduler is None:
+        return None
+    if not callable(getattr(lr_scheduler, "step", None)):
+        if not callable(lr_scheduler):
+            raise TypeError(
+                f"lr_scheduler must be a scheduler or a function of the optimizer, got {lr_scheduler!r}."
+            )
+        lr_scheduler = lr_scheduler(trainer.optimizer)
+    if getattr(lr_scheduler, "optimizer", trainer.optimizer) is not trainer.optimizer:
+        raise ValueError(
+            "lr_scheduler belongs to another optimizer than the one given to fit(); make it from that "
+            "optimizer, or pass a function of the optimizer."
+        )
+    _track_optimizer_steps(lr_scheduler)
+    return lr_scheduler
+
+
+def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: bool) -> Any:
+    """A distkit loader over a dataset, or a loader given as it is (warning when it is not sharded)."""
+    if makes_loader(data):
+        return distributed_dataloader(
+            data,
+            batch_size,
+            shuffle=not evaluation,
+            num_workers=trainer.num_workers,
+            seed=trainer.seed,
+            evaluation=evaluation,
+        )
+    sampler = getattr(data, "sampler", None)
+    if (
+        trainer.world_size > 1
+        and isinstance(data, torch.utils.data.DataLoader)
+        and not isinstance(sampler, torch.utils.data.DistributedSampler)
+        and not isinstance(data.dataset, torch.utils.data.IterableDataset)
+    ):
+        _log.warning(
+            "a DataLoader without a DistributedSampler was given to a %d-process fit(): every rank "
+            "loads the whole dataset. Pass the dataset itself to have it sharded.",
+            trainer.world_size,
+        )
+    return data
+
+
+def progress_bar_wanted(trainer: Trainer) -> bool:
+    """Whether this process shows the tqdm bar. Local."""
+    if not runtime.is_main_process() or trainer.enable_progress_bar is False:
+        return False
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        if trainer.enable_progress_bar:
+            raise ImportError(
+                "enable_progress_bar=True needs tqdm: pip install 'distkit[progress]'."
+            ) from None
+        return False
+    return bool(trainer.enable_progress_bar or sys.stderr.isatty())
+
+
+def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
+    """Take the checkpoint directory before training, not at the first save an epoch later.
+
+    Collective. ``resume="auto"`` claims in ``restore()``; a checkpoint path inside the
+    directory continues that directory's run; anything else is a fresh run, which must not
+    inherit or destroy the checkpoints of another (issue 11).
+    """
+    if trainer.resume == "auto":
+        return
+    resuming = trainer.resume is not None and _is_inside(trainer.resume, checkpoint.directory)
+    try:
+        checkpoint.manager.claim(resuming=resuming)
+    except CheckpointConflictError as err:
+        if not err.steps:  # another writer holds the directory: the manager's message says so
+            raise
+        first, last = err.steps[0], err.steps[-1]
+        steps = f"step {first}" if first == last else f"steps {first}..{last}"
+        raise CheckpointConflictError(
+            f"{redact_url(str(checkpoint.directory))} already holds the checkpoints of another run "
+            f"({steps}), and this fit() starts a new one (resume={trainer.resume!r}). Continue that "
+            f"run with Trainer(resume='auto'); or write to another "
+            f"directory (Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)); or start "
+            f"over with callbacks=[ModelCheckpoint(overwrite=True)], which deletes them.",
+            directory=err.directory,
+            steps=err.steps,
+            label=err._label,
+        ) from None
+
+
+def restore(trainer: Trainer) -> int | None:
+    """Restore from ``trainer.resume``; the step resumed from, or ``None`` for a fresh start.
+
+    Collective with ``resume="auto"`` (the ranks check they restored the same step).
+    """
+    if trainer.resume is None:
+        return None
+    state = trainer.checkpoint_state()
+    progress = state["progress"]
+    if trainer.resume == "auto":
+        checkpoint = trainer._checkpoint_callback()
+        if checkpoint is None:
+            raise ValueError(
+                "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
+                "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
+            )
+        if checkpoint.manager.restore(state) is None:
+            _log.info(
+                "resume='auto': no checkpoint in %s yet, starting from step 0",
+                redact_url(str(checkpoint.directory)),
+            )
+            return None
+    else:
+        load_checkpoint(trainer.resume, state)
+    trainer.global_step = progress.global_step
+    trainer.current_epoch = progress.epoch
+    trainer._batches_done = progress.batches_in_epoch
+    if trainer._batches_done and "train_loader" not in state:
+        # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
+        _log.info("resuming epoch %d by skipping %d batch(es)", trainer.current_epoch, trainer._batches_done)
+    return trainer.global_step
+
+
+def check_options(
+    strategy: Any,
+    precision: str,
+    *,
+    max_epochs: Any,
+    max_steps: Any,
+    batch_size: Any,
+    val_batch_size: Any,
+    num_workers: Any,
+    accumulate_grad_batches: Any,
+    log_every_n_steps: Any,
+    check_val_every_n_epoch: Any,
+    max_consecutive_nonfinite: Any,
+    gradient_clip_val: Any,
+    gradient_clip_algorithm: Any,
+    compile: Any,
+) -> None:
+    """Validate the Trainer's numeric and switch options; raise naming the first bad one. Local."""
+    if max_epochs is None and max_steps is None:
+        raise ValueError("give max_epochs or max_steps (or both): the Trainer needs to know when to stop.")
+    for name, value, low, optional in (
+        ("max_epochs", max_epochs, 1, True),
+        ("max_steps", max_steps, 1, True),
+        ("batch_size", batch_size, 1, False),
+        ("val_batch_size", val_batch_size, 1, True),
+        ("num_workers", num_workers, 0, False),
+        ("accumulate_grad_batches", accumulate_grad_batches, 1, False),
+        ("log_every_n_steps", log_every_n_steps, 1, False),
+        ("check_val_every_n_epoch", check_val_every_n_epoch, 1, False),
+        ("max_consecutive_nonfinite", max_consecutive_nonfinite, 1, False),
+    ):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}.")
+    if gradient_clip_val is not None and not gradient_clip_val > 0:
+        raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}.")
+    if gradient_clip_algorithm not in ("norm", "value"):
+        raise ValueError(
+            f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}."
+        )
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}.")
+    if compile and strategy == "dp":
+        # DataParallel copies the module's attributes into its replicas, a compiled forward bound
+        # to the original module included: every replica would run on the first GPU.
+        raise ValueError("compile=True is not supported with strategy='dp'; use strategy='ddp' (or 'fsdp').")

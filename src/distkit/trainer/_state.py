@@ -1,0 +1,191 @@
+"""The Trainer's own state in checkpoints (counters and partial metric sums, the callbacks' states,
+a loader's position with a discarded step's batches given back) and the optimizer/scheduler
+plumbing that set-up and the launching process share."""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distkit import runtime
+from distkit.collectives import all_gather_object
+from distkit.trainer import _logs
+from distkit.trainer.callbacks import Callback
+
+if TYPE_CHECKING:
+    from distkit.trainer.trainer import Trainer
+
+__all__: list[str] = []
+
+_log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+
+def _track_optimizer_steps(scheduler: Any) -> None:
+    """Give a copied scheduler's optimizer back torch's record of ``optimizer.step()`` calls.
+
+    An ``LRScheduler`` wraps its optimizer's ``step`` when it is made, to warn when the scheduler
+    steps before the optimizer (pytorch/pytorch#20124). Pickling drops that wrapper
+    (``Optimizer.__getstate__`` keeps the defaults, state and groups only), so in the processes
+    ``fit`` starts, the first ``scheduler.step()`` after a real ``optimizer.step()`` warned that
+    ``optimizer.step()`` "has been overridden". This puts the same wrapper back (as
+    ``LRScheduler.__init__`` makes it, torch/optim/lr_scheduler.py); an optimizer that has it, or
+    a scheduler that is not an ``LRScheduler``, is left alone.
+    """
+    optimizer = getattr(scheduler, "optimizer", None)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) or optimizer is None:
+        return
+    step = getattr(optimizer, "step", None)
+    if step is None or hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+        return
+    optimizer_ref, func = weakref.ref(optimizer), step.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = optimizer_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper
+
+
+def _rebind(optimizer: torch.optim.Optimizer, model: nn.Module, names: Mapping[int, str]) -> None:
+    """Point ``optimizer``'s groups at the parameters that replaced the ones it was made over.
+
+    FSDP replaces every parameter with its shard (a new ``nn.Parameter``), so an optimizer made
+    over the model before ``fit`` would step tensors the model no longer uses. Parameters are
+    matched by name, in place: the optimizer stays the object the user (and a scheduler) holds.
+    An optimizer that has already stepped cannot be rebound (its state is the unsharded one).
+    Local; does nothing when no parameter was replaced.
+    """
+    current = dict(model.named_parameters())
+    own = {id(p) for p in current.values()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(id(p) in own for p in held) or not all(id(p) in names for p in held):
+        return  # nothing replaced, or another model's optimizer (refused by the caller)
+    if optimizer.state:
+        raise ValueError(
+            f"the optimizer ({type(optimizer).__name__}) has already stepped, and the strategy replaced "
+            f"the model's parameters (FSDP shards them), so its state no longer fits. Pass a fresh "
+            f"optimizer, or a function: optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)."
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(p)]] for p in group["params"]]
+
+
+class _Counters:
+    """The Trainer's counters that ResumeState does not hold, its latest metrics, and the partial
+    sums of what it logs next.
+
+    The partial sums (training loss since the last logging step and over the epoch, extra
+    ``training_step`` metrics) are each rank's own numbers: they are saved per rank, so that the
+    first reduction after a resume adds exactly the numbers the uninterrupted run added. A checkpoint
+    written before they were saved resumes with empty sums (the first window and epoch mean then
+    cover the resumed steps only, as they used to).
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: gathers every rank's partial sums (checkpoint saves run on every rank)."""
+        trainer = self.trainer
+        if trainer._log_pending:
+            # Saved from on_train_step_end at a logging step, before the Trainer logged it: log
+            # first (a collective, as this save is), so the checkpoint holds the step's state after
+            # its log, which is where the uninterrupted run goes on from. The callbacks' state is
+            # collected after this entry, so it includes what their on_log hooks did.
+            _logs.log_step(trainer)
+        return {
+            "skipped_steps": trainer.skipped_steps,
+            "nonfinite_run": list(trainer._nonfinite_run),
+            "callback_metrics": _plain_metrics(trainer.callback_metrics),
+            "world_size": runtime.get_world_size(),
+            "log_sums": all_gather_object(_logs.log_sums(trainer)),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        trainer = self.trainer
+        trainer.skipped_steps = int(state["skipped_steps"])
+        trainer._nonfinite_run = [int(step) for step in state.get("nonfinite_run", [])]
+        trainer.callback_metrics = dict(state.get("callback_metrics", {}))
+        saved = state.get("log_sums")
+        if saved is None:
+            return
+        rank, world_size = runtime.get_rank(), runtime.get_world_size()
+        if int(state["world_size"]) == world_size and len(saved) == world_size:
+            _logs.load_log_sums(trainer, saved[rank])
+        elif rank == 0:
+            # Another world size: one rank carries the job's totals, so the next reduction (a sum
+            # over ranks) still covers every saved step, up to rounding.
+            _logs.load_log_sums(trainer, _merged_log_sums(saved))
+
+
+def _plain_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The metrics that are numbers, as floats (a checkpoint loads only plain types back)."""
+    plain: dict[str, float] = {}
+    for name, value in metrics.items():
+        try:
+            plain[str(name)] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue  # a callback's non-numeric entry: not saved
+    return plain
+
+
+def _merged_log_sums(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's partial sums added up, for a resume on another number of ranks."""
+    extras: dict[str, float] = {}
+    for sums in per_rank:
+        for name, value in sums["extras"].items():
+            extras[name] = extras.get(name, 0.0) + float(value)
+    return {
+        "window": [sum(float(s["window"][0]) for s in per_rank), sum(int(s["window"][1]) for s in per_rank)],
+        "epoch": [sum(float(s["epoch"][0]) for s in per_rank), sum(int(s["epoch"][1]) for s in per_rank)],
+        "extras": extras,
+        "extra_count": sum(int(s["extra_count"]) for s in per_rank),
+    }
+
+
+class _GivenBack:
+    """A distkit loader's state as if a discarded step's batches had not been handed out."""
+
+    def __init__(self, loader: Any, batches: int) -> None:
+        self.loader, self.batches = loader, batches
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.loader.state_dict())
+        if "batches_consumed" in state:  # a DistributedLoader; other loaders' states are kept
+            state["batches_consumed"] -= self.batches
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+class _CallbackStates:
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.callbacks = callbacks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{i}:{type(cb).__name__}": cb.state_dict() for i, cb in enumerate(self.callbacks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for i, cb in enumerate(self.callbacks):
+            saved = state.get(f"{i}:{type(cb).__name__}")
+            if saved:
+                cb.load_state_dict(saved)
+
+
+def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
+    """Whether checkpoint ``path`` lies inside ``directory`` (local paths or URLs)."""
+    path, directory = os.fspath(path), os.fspath(directory)
+    if "://" in path or "://" in directory:
+        return path.rstrip("/").startswith(directory.rstrip("/") + "/")
+    real_path, real_dir = os.path.realpath(path), os.path.realpath(directory)
+    return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir

@@ -1,0 +1,198 @@
+"""What the training loop asks of a strategy, and the strategies of one device, DP and DDP.
+
+The loop in :mod:`distkit.trainer.trainer` never asks which wrapper it holds: it calls one small
+interface, :class:`Strategy`, which the strategy objects fill in (this module for one device,
+``nn.DataParallel`` and DDP; :mod:`distkit.trainer._fsdp` for FSDP). A new strategy is one new
+subclass, not a new branch in the loop.
+
+The interface, in the order ``fit`` uses it:
+
+- :meth:`Strategy.prepare`: the user's model on its device, compiled, sharded (before the
+  optimizer is made, so the optimizer holds what the strategy made of the parameters).
+- :meth:`Strategy.wrap`: the module the loop calls (DDP's or DP's wrapper, or the module itself).
+- :meth:`Strategy.accumulation`: the context of a micro-batch's forward and backward (DDP's
+  ``no_sync`` or FSDP's gradient-sync flag on all but the last micro-batch).
+- :meth:`Strategy.poisoned_backward` and :meth:`Strategy.agreed`: how a rank's bad step reaches
+  every rank, and how the ranks read it (the loop's module docs explain the protocol).
+- :meth:`Strategy.clip_gradients`: clipping, and whether the norm was finite.
+- :meth:`Strategy.full_state`: the whole model's and optimizer's state on the main process.
+- :attr:`Strategy.checkpoint_format`: ``"full"`` (one file written by the main process) or
+  ``"sharded"`` (every rank writes its shards; the CheckpointManager chooses by the state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distkit import runtime
+from distkit.trainer.strategies import _Plan
+
+__all__: list[str] = []
+
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: one fewer object per micro-batch
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    # The gradient hook of a poisoned backward pass (see the loop's module docs).
+    return torch.full_like(grad, math.nan)
+
+
+def compile_forward(module: nn.Module) -> None:
+    """``torch.compile`` ``module.forward`` in place. Local.
+
+    The compiled forward replaces the method on the instance: no ``OptimizedModule`` wrapper, so
+    the parameter names (and the checkpoints) stay free of ``_orig_mod.``.
+    """
+    module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+
+
+class Strategy:
+    """One device, or a world of one: no wrapper, no communication. The base of every strategy.
+
+    Attributes:
+        plan: What :func:`distkit.trainer.strategies.resolve` decided.
+        compile: Whether :meth:`prepare` compiles the model.
+        checkpoint_format: ``"full"`` or ``"sharded"``.
+        scan_all: Whether some parameters may get no gradient in a step on some rank, so the first
+            element of every gradient is read instead of one sentinel's.
+    """
+
+    checkpoint_format = "full"
+    # Whether the model's forward pass is collective, so every rank must run as many (validation).
+    lockstep_forward = False
+
+    def __init__(self, plan: _Plan, *, compile: bool = False) -> None:
+        self.plan = plan
+        self.compile = compile
+        self.scan_all = False
+
+    def uses_autocast(self) -> bool:
+        """Whether the Trainer's mixed precision runs as autocast (FSDP: its own policy instead)."""
+        return True
+
+    def prepare(self, model: nn.Module, device: torch.device, precision: str) -> None:
+        """Move ``model`` to ``device`` and compile it when asked. Local here; FSDP: collective."""
+        model.to(device)
+        if self.compile:
+            compile_forward(model)
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """The module the loop calls for ``module`` (the Trainer's step module: the model and a loss
+        module, both moved to ``device``). Collective for DDP."""
+        return module.to(device)
+
+    def accumulation(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch; ``sync`` is False on all but the last of an optimizer step."""
+        return _NULL_CONTEXT
+
+    def after_evaluation(self, model: nn.Module) -> None:
+        """Put the model back as training and checkpoints expect it after forward passes without a
+        backward pass (validation). Local."""
+
+    def poisoned_backward(
+        self, backward: Callable[[torch.Tensor], None], loss: torch.Tensor, params: Sequence[nn.Parameter]
+    ) -> None:
+        """Backward with every gradient of this rank turned to nan (a one-off hook per parameter),
+        so the gradient reduction carries the nan to every rank."""
+        handles = [p.register_hook(_poison) for p in params]
+        try:
+            backward(loss)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter or gradient (all of it unless the strategy shards)."""
+        return tensor
+
+    def agreed(self, flag: torch.Tensor) -> float:
+        """The value of a one-element gradient flag, the same on every rank.
+
+        DDP's gradients are identical after the all-reduce, so reading is agreeing.
+        """
+        return flag.item()
+
+    def clip_gradients(self, params: Sequence[nn.Parameter], max_value: float, algorithm: str) -> bool:
+        """Clip the gradients of ``params`` by ``"norm"`` or ``"value"``; False when the norm is not
+        finite (the same on every rank: the gradients are reduced first)."""
+        if algorithm == "norm":
+            norm = nn.utils.clip_grad_norm_(params, max_value)
+            return math.isfinite(norm.item())
+        nn.utils.clip_grad_value_(params, max_value)
+        return True
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The whole model's and optimizer's ``state_dict()`` on the CPU, on the main process (``None``
+        on the others). Collective for sharded strategies: call on every rank."""
+        if not runtime.is_main_process():
+            return None
+        model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return model_state, _tree_to_cpu(optimizer.state_dict())
+
+    def teardown(self, model: nn.Module) -> None:
+        """Undo what :meth:`prepare` did to the user's module that should not outlive ``fit``."""
+        if self.compile and "forward" in vars(model):
+            del model.forward  # back to the class's (uncompiled) forward
+
+
+class DataParallelStrategy(Strategy):
+    """``nn.DataParallel`` over the GPUs of one process."""
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        module.to(device)
+        return nn.DataParallel(module, device_ids=list(self.plan.cuda_indices), output_device=device)
+
+
+class DDPStrategyRunner(Strategy):
+    """``DistributedDataParallel`` over the processes (a world of one: no wrapper)."""
+
+    def __init__(self, plan: _Plan, *, compile: bool = False) -> None:
+        super().__init__(plan, compile=compile)
+        self.scan_all = plan.ddp.find_unused_parameters or plan.ddp.static_graph
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        module.to(device)
+        if runtime.get_world_size() == 1:
+            return module
+        device_ids = [device.index] if device.type == "cuda" else None
+        options = self.plan.ddp.ddp_kwargs()
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **options)
+
+    def accumulation(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        if sync or not isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            return _NULL_CONTEXT
+        return wrapped.no_sync()
+
+
+def make_strategy(plan: _Plan, *, compile: bool = False) -> Strategy:
+    """The strategy object of ``plan`` for this process (after the process group is up). Local."""
+    if plan.kind == "dp":
+        return DataParallelStrategy(plan, compile=compile)
+    if plan.kind == "fsdp" and runtime.get_world_size() > 1:
+        from distkit.trainer._fsdp import FSDPStrategyRunner
+
+        return FSDPStrategyRunner(plan, compile=compile)
+    if plan.kind in ("ddp", "fsdp"):
+        return DDPStrategyRunner(plan, compile=compile)
+    return Strategy(plan, compile=compile)
+
+
+def _tree_to_cpu(obj: Any) -> Any:
+    """``obj`` with its tensors copied to the CPU (for sending to another process)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {key: _tree_to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_tree_to_cpu(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(_tree_to_cpu(value) for value in obj)
+    return obj
