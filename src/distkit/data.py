@@ -37,11 +37,23 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
 from distkit import collectives, runtime
+from distkit._data_split import (
+    _batch_plan,
+    _continued,
+    _epoch_order,
+    _eval_counts,
+    _padded,
+    _per_rank_samples,
+    _rank_batches,
+    _Rest,
+    _rest_of_epoch,
+    _seen_after,
+)
 from distkit.errors import DistkitError
 from distkit.seeding import (
     _STREAM_BATCH,
     _STREAM_LOADER,
-    _STREAM_SHUFFLE,
+    _STREAM_REST_BATCH,
     _STREAM_WORKER,
     _apply_stream_seed,
     _check_seed,
@@ -137,80 +149,6 @@ def _check_same_on_every_rank(what: str, values: dict[str, object]) -> None:
         f"rank, got {per_rank}. Give every rank the same dataset and options, and seed every rank with "
         f"the same seed (seed_everything(seed), not seed + rank): each rank computes the split itself."
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The split: which positions of an epoch's order each rank gets
-
-
-def _epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
-    if not shuffle:
-        return torch.arange(n)
-    # Its own generator, so that shuffling never draws from (or depends on) torch's global RNG.
-    generator = torch.Generator()
-    generator.manual_seed(derive_seed(seed, _STREAM_SHUFFLE, epoch))
-    return torch.randperm(n, generator=generator)
-
-
-def _padded(order: torch.Tensor, total: int) -> torch.Tensor:
-    # Wrap around to `total` positions (total < 2n because n >= world size).
-    n = order.numel()
-    return order if total <= n else torch.cat([order, order[: total - n]])
-
-
-def _per_rank_samples(n: int, world_size: int, drop_last: bool) -> int:
-    # Training: every rank gets the same count, padded up or cut down.
-    return n // world_size if drop_last else -(-n // world_size)
-
-
-def _eval_counts(n: int, world_size: int) -> list[int]:
-    return [n // world_size + (1 if rank < n % world_size else 0) for rank in range(world_size)]
-
-
-def _eval_batch_sizes(count: int, steps: int, batch_size: int) -> list[int]:
-    """Split one rank's ``count`` samples into ``steps`` batches of at most ``batch_size``.
-
-    Full batches first; when the last would be empty (the rank has exactly ``(steps-1)*batch_size``
-    samples, which happens only when another rank has one more), the last two share one batch's
-    worth. Zero-sized batches only arise for ``batch_size == 1`` and are dropped.
-    """
-    last = count - (steps - 1) * batch_size
-    if last >= 1:
-        sizes = [batch_size] * (steps - 1) + [last]
-    else:
-        rest = count - (steps - 2) * batch_size
-        sizes = [batch_size] * (steps - 2) + [-(-rest // 2), rest // 2]
-    return [size for size in sizes if size > 0]
-
-
-def _batch_plan(
-    n: int, world_size: int, batch_size: int, *, drop_last: bool, evaluation: bool
-) -> list[list[int]]:
-    """Batch sizes of every rank: ``plan[rank][step]``."""
-    if evaluation:
-        steps = -(-n // (world_size * batch_size))
-        return [_eval_batch_sizes(c, steps, batch_size) for c in _eval_counts(n, world_size)]
-    per_rank = _per_rank_samples(n, world_size, drop_last)
-    full, rest = divmod(per_rank, batch_size)
-    sizes = [batch_size] * full + ([rest] if rest and not drop_last else [])
-    return [list(sizes) for _ in range(world_size)]
-
-
-def _rank_batches(plan: list[list[int]], rank: int) -> list[tuple[int, int]]:
-    """``(position, size)`` of each of ``rank``'s batches in the epoch's (padded) order.
-
-    Step-major, then rank: step k holds rank 0's k-th batch, then rank 1's, and so on, so gathering
-    one batch from every rank in rank order gives consecutive positions of the order.
-    """
-    mine: list[tuple[int, int]] = []
-    position = 0
-    for step in range(max(len(sizes) for sizes in plan)):
-        for other, sizes in enumerate(plan):
-            if step < len(sizes):
-                if other == rank:
-                    mine.append((position, sizes[step]))
-                position += sizes[step]
-    return mine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,13 +592,25 @@ class _BatchPlan:
         self.seed = 0
         self.epoch = 0
         self.start = 0
+        self.rest: _Rest | None = None
 
     def __len__(self) -> int:
         return len(self.batches) - self.start
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
-        seed, epoch, start, rank = self.seed, self.epoch, self.start, self.rank
-        order = _padded(_epoch_order(self.n, self.shuffle, seed, epoch), self.total)
+        seed, epoch, start, rank, rest = self.seed, self.epoch, self.start, self.rank, self.rest
+        order = _epoch_order(self.n, self.shuffle, seed, epoch)
+        if rest is not None:
+            # The rest of an epoch begun on another number of ranks: its own layout and streams.
+            order = _continued(order, rest.offset, rest.total)
+            for index in range(start, len(self.batches)):
+                position, size = rest.batches[index - rest.skip]
+                yield (
+                    derive_seed(seed, _STREAM_REST_BATCH, rank, epoch, rest.offset, index - rest.skip),
+                    order[position : position + size].tolist(),
+                )
+            return
+        order = _padded(order, self.total)
         for index in range(start, len(self.batches)):
             position, size = self.batches[index]
             yield (
@@ -723,7 +673,8 @@ class DistributedLoader:
     (the first pass is epoch 0, or the epoch given to :meth:`set_epoch`); a pass left early (a
     ``break``, ``next(iter(loader))``) leaves the epoch as it was, and the next pass starts where it
     started, so a look at a batch on one rank keeps that rank on the others' split. The first pass
-    after :meth:`load_state_dict` finishes the saved epoch from where it stopped. A full extra pass
+    after :meth:`load_state_dict` finishes the saved epoch from where it stopped, also when the state
+    was saved by another number of ranks (the samples no old rank saw, re-split). A full extra pass
     on some ranks only, and every rank stopping each epoch early, raise :class:`DistkitError`
     naming the fix (``docs/data.md``, "Epochs").
 
@@ -802,6 +753,9 @@ class DistributedLoader:
         # state_dict() reports, so that a run resumed from it goes on from there. None otherwise.
         self._stopped: int | None = None
         self._stopped_before: int | None = None  # _stopped when the live pass began (for a rank-local pass)
+        # The rest of the current epoch when it was resumed from a state of another world size (or
+        # restored from the state of such an epoch); None for an epoch laid out as a whole.
+        self._rest: _Rest | None = None
         self._passes = _Passes("DistributedLoader", rank, world_size, training=not evaluation)
         # Bumped by every new pass, set_epoch() and load_state_dict(); older passes stop.
         self._generation = 0
@@ -835,6 +789,7 @@ class DistributedLoader:
         )
         self._pass_start, self._stopped_before, self._stopped = self._consumed, self._stopped, None
         self._plan.seed, self._plan.epoch, self._plan.start = self.seed, self._epoch, self._consumed
+        self._plan.rest = self._rest
         self._generator.manual_seed(derive_seed(self.seed, _STREAM_LOADER, self.rank, self._epoch))
         self.dataloader.worker_init_fn = functools.partial(
             _init_worker, self.seed, self.rank, self._epoch, self.worker_init_fn
@@ -850,7 +805,7 @@ class DistributedLoader:
         epoch = self._epoch
         self._epoch += 1
         self._consumed = self._pass_start = 0
-        self._stopped = None
+        self._stopped, self._rest = None, None
         self._passes.end_full(epoch)
 
     def _end_early(self) -> None:
@@ -869,7 +824,7 @@ class DistributedLoader:
         """
         _check_int("epoch", epoch, 0)
         if epoch != self._epoch or self._passes.live:
-            self._epoch, self._consumed = epoch, 0
+            self._epoch, self._consumed, self._rest = epoch, 0, None
         self._pass_start, self._stopped = self._consumed, None
         self._passes.reset()
         self._generation += 1
@@ -885,18 +840,24 @@ class DistributedLoader:
         during the pass (a training loop; in a world of one, always); a pass made without them (a
         look at a batch on one rank) leaves the state as it was.
 
+        ``resume_offset`` is 0 unless the epoch was resumed from a state of another world size: it
+        is then the number of samples at the start of the epoch's order that the earlier ranks had
+        seen, and ``batches_consumed`` counts from the index the rest of the epoch started at (see
+        :meth:`load_state_dict`).
+
         Example:
             >>> import distkit
             >>> loader = distkit.distributed_dataloader(range(10), 4)
             >>> passes = iter(loader)
             >>> batch = next(passes)
-            >>> {k: loader.state_dict()[k] for k in ("epoch", "batches_consumed")}
-            {'epoch': 0, 'batches_consumed': 1}
+            >>> {k: loader.state_dict()[k] for k in ("epoch", "batches_consumed", "resume_offset")}
+            {'epoch': 0, 'batches_consumed': 1, 'resume_offset': 0}
         """
         return {
             "epoch": self._epoch,
             "batches_consumed": self._consumed if self._stopped is None else self._stopped,
             "seed": self.seed,
+            "resume_offset": 0 if self._rest is None else self._rest.offset,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
             "dataset_len": self._n,
@@ -912,9 +873,27 @@ class DistributedLoader:
         batch has its own random stream, so the resumed batches equal those of an uninterrupted run,
         with any number of workers.
 
+        A training state saved mid-epoch with **another world size** (each old rank had handed out
+        the same number of batches, so together they had seen a prefix of the epoch's order)
+        continues that epoch with exactly the samples no old rank had seen, split over this job's
+        ranks as a whole epoch of that many samples would be (padded by wrapping around to the start
+        of the order, or cut with ``drop_last``), each batch on a stream derived from the seed, this
+        rank, the epoch and the prefix. Those ``R`` batches take the epoch's last indices
+        (``batches_consumed`` becomes ``len(self) - R``); later epochs are this world size's usual
+        ones (``docs/data.md``, "Resuming on another number of ranks").
+
         Raises:
             ValueError: A key is missing or invalid, or the state is mid-epoch and was taken with a
-                different world size, batch size, dataset length or split settings.
+                different batch size, dataset length or split settings (or world size, for an
+                evaluation loader).
+
+        Example:
+            >>> import distkit
+            >>> loader = distkit.distributed_dataloader(range(10), 2, shuffle=False)
+            >>> saved = {**loader.state_dict(), "world_size": 2, "batches_consumed": 1}
+            >>> loader.load_state_dict(saved)  # 2 ranks saw samples 0..3; 3 batches of 2 are left
+            >>> [batch.tolist() for batch in loader]
+            [[4, 5], [6, 7], [8, 9]]
         """
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
@@ -925,24 +904,58 @@ class DistributedLoader:
         epoch = _check_int("state['epoch']", state["epoch"], 0)
         consumed = _check_int("state['batches_consumed']", state["batches_consumed"], 0)
         seed = _check_seed(state["seed"], name="state['seed']")
+        offset = _check_int("state['resume_offset']", state.get("resume_offset", 0), 0)
         current = self.state_dict()
         changed = [key for key in _LAYOUT_KEYS if key in state and state[key] != current[key]]
-        if consumed and changed:
+        elastic = changed == ["world_size"] and not self.evaluation
+        if (consumed or offset) and changed and not elastic:
             described = ", ".join(f"{key}: saved {state[key]!r}, now {current[key]!r}" for key in changed)
+            also = " and state['resume_offset'] = 0" if offset else ""
+            only = "" if self.evaluation else " (only the world size may change)"
             raise ValueError(
                 f"cannot resume mid-epoch ({consumed} batches into epoch {epoch}) with different "
                 f"settings ({described}): batch {consumed} would hold other samples. Resume with the "
-                f"saved settings, or set state['batches_consumed'] = 0 to restart epoch {epoch}."
+                f"saved settings{only}, or set state['batches_consumed'] = 0{also} to restart epoch "
+                f"{epoch}."
             )
-        if consumed > len(self):
+        if offset > self._n or (offset and self.evaluation):
+            limit = (
+                "an evaluation loader has no rest of an epoch"
+                if self.evaluation
+                else f"the dataset has {self._n} samples"
+            )
+            raise ValueError(
+                f"state['resume_offset'] is {offset} but {limit}; pass a state made by "
+                f"DistributedLoader.state_dict()."
+            )
+        rest = None
+        if elastic and (consumed or offset):
+            saved_world = _check_int("state['world_size']", state["world_size"], 1)
+            rest = self._rest_of_epoch(self._seen(saved_world, offset, consumed))
+            consumed = rest.skip
+        elif offset:
+            self._seen(self.world_size, offset, consumed)  # checks that `consumed` fits the rest
+            rest = self._rest_of_epoch(offset)
+        elif consumed > len(self):
             raise ValueError(
                 f"state['batches_consumed'] is {consumed} but an epoch has only {len(self)} batches "
                 f"on this rank; pass a state saved by this loader's job."
             )
-        self.seed, self._epoch, self._consumed = seed, epoch, consumed
+        self.seed, self._epoch, self._consumed, self._rest = seed, epoch, consumed, rest
         self._pass_start, self._stopped = consumed, None
         self._passes.reset()
         self._generation += 1
+
+    def _seen(self, world_size: int, offset: int, consumed: int) -> int:
+        """Samples of the epoch's order seen by ``world_size`` ranks at a saved position."""
+        return _seen_after(
+            self._n, world_size, self.batch_size, drop_last=self.drop_last, offset=offset, consumed=consumed
+        )
+
+    def _rest_of_epoch(self, offset: int) -> _Rest:
+        return _rest_of_epoch(
+            self._n, self.world_size, self.rank, self.batch_size, drop_last=self.drop_last, offset=offset
+        )
 
 
 def distributed_dataloader(
@@ -1268,14 +1281,22 @@ def _suggest(
 
 def _keep_position(owner: DistributedLoader | DistributedSplitSampler) -> tuple[Any, ...]:
     if isinstance(owner, DistributedLoader):
-        return (owner._epoch, owner._consumed, owner._pass_start, owner._stopped, owner._passes.early)
+        return (
+            owner._epoch,
+            owner._consumed,
+            owner._pass_start,
+            owner._stopped,
+            owner._rest,
+            owner._passes.early,
+        )
     return (owner.epoch, owner._passes.early)
 
 
 def _put_back_position(owner: DistributedLoader | DistributedSplitSampler, kept: tuple[Any, ...]) -> None:
     owner._passes.reset()
     if isinstance(owner, DistributedLoader):
-        owner._epoch, owner._consumed, owner._pass_start, owner._stopped, owner._passes.early = kept
+        owner._epoch, owner._consumed, owner._pass_start, owner._stopped, owner._rest = kept[:5]
+        owner._passes.early = kept[5]
     else:
         owner.epoch, owner._passes.early = kept
     owner._generation += 1  # a pass running before profiling is over, as documented

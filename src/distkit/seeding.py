@@ -39,6 +39,7 @@ _STREAM_SHUFFLE = 0
 _STREAM_WORKER = 1
 _STREAM_BATCH = 2
 _STREAM_LOADER = 3
+_STREAM_REST_BATCH = 4  # a batch of the rest of an epoch resumed on another number of ranks
 
 # Per-library sub-keys: python's `random` and numpy both use MT19937 seeded through init_by_array,
 # so one integer would give them the same sequence; each library gets its own derived seed.

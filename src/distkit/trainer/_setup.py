@@ -268,6 +268,12 @@ def restore(trainer: Trainer) -> int | None:
     trainer.global_step = progress.global_step
     trainer.current_epoch = progress.epoch
     trainer._batches_done = progress.batches_in_epoch
+    loader = trainer._train_loader
+    if isinstance(loader, DistributedLoader) and loader.epoch == progress.epoch:
+        # Saved by another number of ranks, the loader re-splits the rest of the epoch and numbers
+        # its batches as the epoch's last ones (docs/data.md, "Resuming on another number of
+        # ranks"); on the same number of ranks it holds the saved count.
+        trainer._batches_done = loader.state_dict()["batches_consumed"]
     if trainer._batches_done and "train_loader" not in state:
         # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
         _log.info("resuming epoch %d by skipping %d batch(es)", trainer.current_epoch, trainer._batches_done)
