@@ -28,17 +28,20 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import ClassVar
 
 import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
 
 import distkit
 from distkit.checkpoint import CheckpointCorruptError, ResumeState
 
 WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_writer.py"
+ASYNC_WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_async_writer.py"
 FAILING_WRITE = pathlib.Path(__file__).parent / "checkpoint_scripts" / "failing_write.py"
 LOCK_HOLDER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "lock_holder.py"
 
@@ -51,6 +54,41 @@ def memory_root() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(root):
         fs.rm(root, recursive=True)
+
+
+class RecordingMemoryFileSystem(MemoryFileSystem):
+    """fsspec's memory filesystem under its own protocol, noting for each checkpoint that starts to
+    be deleted which checkpoints were committed (held a manifest) at that moment."""
+
+    protocol = ("recordmem",)
+    store: ClassVar[dict[str, object]] = {}  # its own store, apart from memory://
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    # (step directory, the committed step directories at its first deletion), in order.
+    deletions: ClassVar[list[tuple[str, list[str]]]] = []
+
+    @classmethod
+    def _strip_protocol(cls, path):  # type: ignore[no-untyped-def]
+        return super()._strip_protocol(path.removeprefix("recordmem://") if isinstance(path, str) else path)
+
+    def _rm(self, path):  # type: ignore[no-untyped-def]
+        parts = self._strip_protocol(path).split("/")
+        step = next((part for part in parts if re.fullmatch(r"step_\d{9}", part)), None)
+        if step is not None and step not in [deleted for deleted, _ in self.deletions]:
+            committed = sorted(key.split("/")[-2] for key in self.store if key.endswith("/manifest.json"))
+            self.deletions.append((step, committed))
+        super()._rm(path)
+
+
+fsspec.register_implementation("recordmem", RecordingMemoryFileSystem, clobber=True)
+
+
+@pytest.fixture
+def recording_root() -> Iterator[str]:
+    RecordingMemoryFileSystem.store.clear()
+    RecordingMemoryFileSystem.deletions.clear()
+    yield f"recordmem://ckpt-{uuid.uuid4().hex[:12]}"
+    RecordingMemoryFileSystem.store.clear()
+    RecordingMemoryFileSystem.deletions.clear()
 
 
 def read_bytes(path: str) -> bytes:
@@ -332,17 +370,29 @@ def test_restore_falls_back_past_a_damaged_checkpoint_and_returns_none_when_noth
     assert torch.equal(state["w"], torch.full((50,), 10.0))
 
 
-def test_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_commit(memory_root) -> None:
-    manager = distkit.CheckpointManager(memory_root, keep_last=2, keep_best=1, monitor="loss", mode="min")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_commit(
+    recording_root, async_save
+) -> None:
+    manager = distkit.CheckpointManager(
+        recording_root, keep_last=2, keep_best=1, monitor="loss", mode="min", async_save=async_save
+    )
     losses = {1: 0.9, 2: 0.2, 3: 0.5, 4: 0.7, 5: 0.6}
     for step, loss in losses.items():
         manager.save(step, {"w": torch.ones(1)}, metrics={"loss": loss})
-    fs = fsspec.filesystem("memory")
-    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(memory_root, detail=False))
+    manager.wait()
+    fs = fsspec.filesystem("recordmem")
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(recording_root, detail=False))
     # .distkit-writer.json: the writer lease of this (still open) manager.
     assert names == [".distkit-writer.json", "step_000000002", "step_000000004", "step_000000005"]
-    assert manager.best() == f"{memory_root}/step_000000002"
-    assert manager.latest() == f"{memory_root}/step_000000005"
+    assert manager.best() == f"{recording_root}/step_000000002"
+    assert manager.latest() == f"{recording_root}/step_000000005"
+    # The order: each deletion began only once the step whose save made it surplus was committed
+    # (step 1 after step 3's commit, step 3 after step 5's), never to make room for a save in flight.
+    assert RecordingMemoryFileSystem.deletions == [
+        ("step_000000001", ["step_000000001", "step_000000002", "step_000000003"]),
+        ("step_000000003", ["step_000000002", "step_000000003", "step_000000004", "step_000000005"]),
+    ]
 
 
 def test_best_follows_mode_and_ignores_steps_saved_without_the_metric(tmp_path) -> None:
@@ -820,10 +870,18 @@ def writer_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-def run_until_paused(directory: pathlib.Path, point: str, first: int, last: int) -> None:
-    """Start the writer, wait until it pauses at ``point``, then SIGKILL it."""
+def run_until_paused(
+    directory: pathlib.Path,
+    point: str,
+    first: int,
+    last: int,
+    writer: pathlib.Path = WRITER,
+    markers: tuple[bytes, ...] = (b"PAUSED",),
+) -> None:
+    """Start ``writer``, wait until it has printed every one of ``markers`` (it pauses at ``point``),
+    then SIGKILL it."""
     proc = subprocess.Popen(
-        [sys.executable, str(WRITER), str(directory), point, str(first), str(last)],
+        [sys.executable, str(writer), str(directory), point, str(first), str(last)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=writer_env(),
@@ -833,7 +891,7 @@ def run_until_paused(directory: pathlib.Path, point: str, first: int, last: int)
     # The child imports torch (seconds on a loaded machine) and saves a few MiB.
     deadline = time.monotonic() + 120
     try:
-        while b"PAUSED" not in output:
+        while not all(marker in output for marker in markers):
             remaining = deadline - time.monotonic()
             ready, _, _ = select.select([proc.stdout], [], [], max(remaining, 0))
             if not ready:
@@ -851,9 +909,18 @@ def run_until_paused(directory: pathlib.Path, point: str, first: int, last: int)
         proc.stdout.close()
 
 
-def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_checkpoints(tmp_path) -> None:
+# The async writer pauses on its background thread; RETURNED shows the training thread's save()
+# had already returned, so the kill hits a save that is in flight, not one made synchronously.
+KILLED_WRITERS = {"sync": (WRITER, (b"PAUSED",)), "async": (ASYNC_WRITER, (b"PAUSED", b"RETURNED"))}
+
+
+@pytest.mark.parametrize("mode", sorted(KILLED_WRITERS))
+def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_checkpoints(
+    tmp_path, mode
+) -> None:
+    writer, markers = KILLED_WRITERS[mode]
     # Steps 1-3 committed (keep_last=2 leaves 2 and 3); killed while writing step 4's state.pt.
-    run_until_paused(tmp_path, "write", 1, 4)
+    run_until_paused(tmp_path, "write", 1, 4, writer, markers)
     assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
     assert any(p.name.startswith(".step_000000004.distkit-tmp-") for p in tmp_path.iterdir()), (
         "the writer should have died inside the save of step 4"
@@ -866,7 +933,7 @@ def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_check
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((512, 512), 3.0))
 
     # Step 4 committed, then killed after retention un-committed step 2 but before deleting it.
-    run_until_paused(tmp_path, "delete", 4, 4)
+    run_until_paused(tmp_path, "delete", 4, 4, writer, markers)
     assert committed_steps(tmp_path) == ["step_000000003", "step_000000004"]
     assert any(p.name.startswith(".step_000000002.distkit-tmp-del-") for p in tmp_path.iterdir())
     with warnings.catch_warnings():

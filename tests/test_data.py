@@ -137,6 +137,51 @@ def test_ranks_workers_and_epochs_draw_distinct_random_streams(ranks) -> None:
     assert torch.cat([rows for rows, _ in in_process])[:, 3:].unique().numel() == 3 * rows.shape[0]
 
 
+# What this worker drew in its worker_init_fn, before it loaded any batch (per worker process).
+_WORKER_START_DRAWS: list[float] = []
+
+
+def draw_at_worker_start(worker_id: int) -> None:
+    # Randomness outside any batch, as a dataset that picks a shard order or opens a random file at
+    # worker start draws it: it sees the worker's own stream, not a batch's.
+    _WORKER_START_DRAWS[:] = [random.random(), float(np.random.rand()), torch.rand(()).item()]
+
+
+class WorkerStartDataset(torch.utils.data.Dataset):
+    """Sample i records who loaded it and what that worker drew when it started."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        info = torch.utils.data.get_worker_info()
+        worker = -1 if info is None else info.id
+        return torch.tensor(
+            [float(distkit.get_rank()), float(worker), *_WORKER_START_DRAWS], dtype=torch.float64
+        )
+
+
+def draws_at_worker_start() -> torch.Tensor:
+    loader = distkit.distributed_dataloader(  # the same seed on every rank, as in a job
+        WorkerStartDataset(),
+        2,
+        num_workers=2,
+        seed=1,
+        worker_init_fn=draw_at_worker_start,
+        multiprocessing_context=FORK,
+    )
+    return torch.cat(list(loader))
+
+
+def test_every_rank_and_worker_draws_its_own_stream_at_worker_start(ranks) -> None:
+    # 8 samples in batches of 2 on 2 ranks: each rank's 2 batches go one to each of its 2 workers.
+    rows = torch.cat(ranks.run(draws_at_worker_start, world_size=2))
+    starts = {(int(rank), int(worker)): tuple(draws) for rank, worker, *draws in rows.tolist()}
+    assert sorted(starts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for column in range(3):  # python, numpy, torch: four distinct draws for 2 ranks x 2 workers
+        assert len({draws[column] for draws in starts.values()}) == 4, starts
+
+
 def epoch_orders() -> dict[str, list[list[int]]]:
     loader = distkit.distributed_dataloader(list(range(20)), 5, seed=3)
     sampler = distkit.distributed_sampler(list(range(20)), seed=3)

@@ -200,6 +200,41 @@ def test_barrier_timeout_names_the_late_rank_within_timeout_plus_5s(ranks) -> No
         assert f"[rank {rank}/3]" in message and "rank(s) [1] did not arrive" in message
 
 
+def storeless_barrier_that_rank_1_never_enters(directory: str, timeout_s: float) -> tuple[float, str] | None:
+    # A group without distkit's store takes the other path: gloo's monitored barrier.
+    distkit.runtime._runtime.store = None  # fresh ranks: nothing after this test sees the change
+    out = Path(directory) / "rank-0-is-out-of-the-barrier"
+    if distkit.get_rank() == 1:
+        # Rank 1 stays out of the barrier until rank 0 has come out of it. A barrier without a
+        # deadline would wait forever, so after a generous bound rank 1 enters it, releasing rank 0
+        # with "no error": the test then fails in seconds, naming the barrier, not at its deadline.
+        bound = time.monotonic() + timeout_s + 10
+        while not out.exists() and time.monotonic() < bound:
+            time.sleep(0.05)
+        if not out.exists():
+            distkit.barrier(timeout_s=timeout_s)
+        return None
+    start = time.monotonic()
+    try:
+        distkit.barrier(timeout_s=timeout_s)
+        outcome = "no error"
+    except distkit.CollectiveTimeoutError as err:
+        outcome = str(err)
+    elapsed = time.monotonic() - start
+    out.touch()
+    return elapsed, outcome
+
+
+def test_a_barrier_without_a_store_raises_within_its_deadline_naming_the_absent_rank(ranks, tmp_path) -> None:
+    results = ranks.run(
+        storeless_barrier_that_rank_1_never_enters, str(tmp_path), 2.0, world_size=2, fresh=True, timeout_s=60
+    )
+    elapsed, message = results[0]
+    assert message.startswith("[rank 0/2] barrier timed out after 2 s"), (elapsed, message)
+    assert "Ranks 1 failed to pass monitoredBarrier in 2000 ms" in message, message  # torch names it
+    assert 2.0 <= elapsed < 2.0 + 5, elapsed  # the error path only: seconds past the deadline, not more
+
+
 def many_barriers(n: int) -> int:
     for _ in range(n):
         distkit.barrier(timeout_s=30)

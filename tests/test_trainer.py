@@ -179,6 +179,34 @@ def test_accumulation_with_clipping_matches_handwritten_no_sync_loop_bitwise(ran
         assert torch.equal(weights, want_weights)
 
 
+def gradient_all_reduces(tmp: str) -> tuple[int, int]:
+    """The gloo all-reduces of DDP fits of 2 and of 4 optimizer steps of 4 micro-batches each."""
+    counts = []
+    for steps in (2, 4):
+        torch.manual_seed(0)
+        model = SimpleModel()  # about 2,000 parameters: one DDP bucket, so one all-reduce per sync
+        trainer = quiet_trainer(
+            tmp, strategy="ddp", max_steps=steps, accumulate_grad_batches=4, log_every_n_steps=1000
+        )
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.fit(
+                model,
+                RandomDataset(20, 2048),  # 32 batches per rank: 4 steps stay inside the first epoch
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                loss_fn=nn.functional.cross_entropy,
+            )
+        counts.append(sum(1 for event in prof.events() if event.name == "gloo:all_reduce"))
+    return counts[0], counts[1]
+
+
+def test_accumulation_syncs_gradients_once_per_optimizer_step(ranks, tmp_path) -> None:
+    # Two more steps of 4 micro-batches add 8 backward passes but only 2 all-reduces: the 3
+    # micro-batches before each step's last run under no_sync. What a fit does once (start-up,
+    # the end) is the same in both fits and cancels out.
+    results = ranks.run(gradient_all_reduces, str(tmp_path))
+    assert [four - two for two, four in results] == [2, 2], results
+
+
 def test_single_trainer_matches_handwritten_single_loop_bitwise(tmp_path) -> None:
     dataset = RandomDataset(20, 200)
 
@@ -260,6 +288,19 @@ class TwoHeadModel(PoisonedModel):
         self.net = RankHeads()
 
 
+class RaiseOnNonFiniteWeights(Callback):
+    """Checks this rank's weights after every step, on the rank itself: a non-finite step taken on
+    one rank only fails there at once, instead of leaving the ranks in different collectives until
+    the test's deadline."""
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if not torch.isfinite(flat_weights(trainer.model)).all():
+            raise AssertionError(
+                f"[rank {distkit.get_rank()}] took a non-finite optimizer step: its weights are not "
+                f"finite after step {trainer.global_step}"
+            )
+
+
 def train_poisoned(
     tmp: str, poisoned: set[int], max_consecutive: int, model_class: type = PoisonedModel, **options: object
 ) -> dict[str, object]:
@@ -270,7 +311,7 @@ def train_poisoned(
         tmp,
         **{"strategy": "ddp", "max_steps": 6, **options},
         max_consecutive_nonfinite=max_consecutive,
-        callbacks=[record],
+        callbacks=[RaiseOnNonFiniteWeights(), record],
     )
     try:
         trainer.fit(model, RandomDataset(20, 400), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -733,7 +774,7 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"strategy": "fsdp"}, ValueError, "strategy must be one of"),
+        ({"strategy": "deepspeed"}, ValueError, "strategy must be one of"),
         ({"devices": 0}, ValueError, "devices must be >= 1, got 0"),
         ({"devices": [0, 0]}, ValueError, "distinct CUDA indices"),
         ({"precision": "64"}, ValueError, "precision must be one of"),

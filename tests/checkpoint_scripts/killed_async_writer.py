@@ -1,0 +1,77 @@
+"""An asynchronous checkpoint writer that stops at a chosen point of its last background save, so a
+test can SIGKILL it there.
+
+Usage: python killed_async_writer.py DIRECTORY {write,delete} FIRST_STEP LAST_STEP
+
+Saves steps FIRST..LAST with ``CheckpointManager(DIRECTORY, keep_last=2, async_save=True)``, waiting
+for each background save before the next one starts; the state of step ``s`` is
+``{"w": torch.full((512, 512), s), "step": s}`` (1 MiB of tensor data, so state.pt is written in
+several chunks). The background save of LAST prints ``PAUSED`` and sleeps at the chosen point, on
+the writer thread, while the training thread waits for it in ``wait()``:
+
+- ``write``: after the first chunk of tensor data went into state.pt (mid-save, before the commit);
+- ``delete``: after the new checkpoint was committed and retention un-committed an old one, before
+  that old one's files are deleted.
+
+The synchronous writer's twin is ``killed_writer.py``. The pause is injected by wrapping distkit's
+own private steps in this process only; everything the test then inspects was done by the real code.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import distkit._checkpoint_files as ckpt_files
+import distkit._checkpoint_format as ckpt_format
+import distkit.checkpoint as ckpt
+
+# Longer than any test runs: the parent kills this process, it never wakes up.
+_SLEEP_S = 600.0
+
+
+def _pause() -> None:
+    print("PAUSED", flush=True)
+    time.sleep(_SLEEP_S)
+
+
+def main() -> None:
+    directory, point, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    armed = False
+    if point == "write":
+        write = ckpt_format._ChecksumWriter.write
+
+        def write_then_pause(self: ckpt_format._ChecksumWriter, data: object) -> int:
+            n = write(self, data)
+            if armed and n >= ckpt_format._PARALLEL_BYTES:
+                _pause()
+            return n
+
+        ckpt_format._ChecksumWriter.write = write_then_pause  # type: ignore[method-assign]
+    elif point == "delete":
+        purge = ckpt_files._purge
+
+        def pause_before_purge(path: str) -> None:
+            if armed:
+                _pause()
+            purge(path)
+
+        ckpt_files._purge = pause_before_purge
+    else:
+        raise SystemExit(f"unknown pause point {point!r}; use 'write' or 'delete'")
+    manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=True)
+    # A restarted writer continues its own run (a killed writer's lock died with it).
+    manager.claim(resuming=True)
+    for step in range(first, last + 1):
+        # Armed only once the previous background save is over, so that only LAST's writer pauses.
+        manager.wait()
+        armed = step == last
+        manager.save(step, {"w": torch.full((512, 512), float(step)), "step": step})
+    print("RETURNED", flush=True)
+    manager.wait()
+
+
+if __name__ == "__main__":
+    main()
