@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -595,4 +596,57 @@ def test_fsdp_checkpoints_are_sharded_and_a_resumed_run_is_bitwise_the_uninterru
     ):
         assert any(name.endswith(".distcp") for name in files)  # every rank wrote its shards
         assert resumed_losses == losses[3:]  # steps 4..8, bitwise
+        assert torch.equal(resumed_weights, weights)
+
+
+class TermOnRankOne(Callback):
+    """SIGTERM to rank 1 after ``step``, as a scheduler preempting the job would send it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.step and distkit.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def fsdp_preempted(tmp: str, term_step: int) -> tuple[int | None, int, list[str]]:
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = quiet_trainer(
+        tmp,
+        strategy=MLP_UNITS,
+        max_steps=8,
+        batch_size=16,
+        enable_checkpointing=True,
+        callbacks=[TermOnRankOne(term_step), ModelCheckpoint(every_n_steps=100, every_n_epochs=0)],
+    )
+    code = None
+    try:
+        trainer.fit(
+            model,
+            Vectors(1024),
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+            loss_fn=nn.functional.cross_entropy,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+        )
+    except SystemExit as stop:  # what a preempted fit ends with: exit code 0 once the checkpoint is saved
+        code = stop.code  # type: ignore[assignment]
+    return code, trainer.global_step, sorted(os.listdir(os.path.join(tmp, "checkpoints")))
+
+
+def test_sigterm_on_one_rank_under_fsdp_saves_a_sharded_checkpoint_and_resumes_bitwise(
+    ranks, tmp_path
+) -> None:
+    # Rank 1 gets SIGTERM after step 3: the next step tells every rank and is discarded, every rank
+    # saves its shards of step 3 and ends with exit code 0; resumed, the run ends where an
+    # uninterrupted one does.
+    for code, step, steps in ranks.run(fsdp_preempted, str(tmp_path / "b"), 3):
+        assert (code, step, steps) == (0, 3, ["step_000000003"])
+    uninterrupted = ranks.run(fsdp_resumable, str(tmp_path / "a"), 8, None)
+    resumed = ranks.run(fsdp_resumable, str(tmp_path / "b"), 8, "auto")
+    for (losses, weights, _), (resumed_losses, resumed_weights, _) in zip(
+        uninterrupted, resumed, strict=True
+    ):
+        assert resumed_losses == losses[3:]
         assert torch.equal(resumed_weights, weights)
