@@ -547,8 +547,9 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
     if kind is None:
         raise FileNotFoundError(
             errno.ENOENT,
-            f"checkpoint not found: {redact_url(path)} does not exist. Check the path; "
-            f"CheckpointManager(directory).latest() gives the newest checkpoint of a directory",
+            f"checkpoint not found: {redact_url(path)} does not exist. Check the path: `distkit "
+            f"checkpoint list <directory>` lists a directory's checkpoints, and "
+            f"CheckpointManager(directory).latest() gives the newest.",
         )
     if kind == "file":
         raise NotADirectoryError(
