@@ -41,7 +41,6 @@ import distkit
 from distkit.checkpoint import CheckpointCorruptError, ResumeState
 
 WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_writer.py"
-ASYNC_WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_async_writer.py"
 FAILING_WRITE = pathlib.Path(__file__).parent / "checkpoint_scripts" / "failing_write.py"
 LOCK_HOLDER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "lock_holder.py"
 
@@ -875,13 +874,13 @@ def run_until_paused(
     point: str,
     first: int,
     last: int,
-    writer: pathlib.Path = WRITER,
+    mode: str = "sync",
     markers: tuple[bytes, ...] = (b"PAUSED",),
 ) -> None:
-    """Start ``writer``, wait until it has printed every one of ``markers`` (it pauses at ``point``),
-    then SIGKILL it."""
+    """Start the writer (``mode``: ``sync`` or ``async`` saves), wait until it has printed every one
+    of ``markers`` (it pauses at ``point``), then SIGKILL it."""
     proc = subprocess.Popen(
-        [sys.executable, str(writer), str(directory), point, str(first), str(last)],
+        [sys.executable, str(WRITER), str(directory), point, str(first), str(last), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=writer_env(),
@@ -911,16 +910,16 @@ def run_until_paused(
 
 # The async writer pauses on its background thread; RETURNED shows the training thread's save()
 # had already returned, so the kill hits a save that is in flight, not one made synchronously.
-KILLED_WRITERS = {"sync": (WRITER, (b"PAUSED",)), "async": (ASYNC_WRITER, (b"PAUSED", b"RETURNED"))}
+KILLED_WRITERS = {"sync": (b"PAUSED",), "async": (b"PAUSED", b"RETURNED")}
 
 
 @pytest.mark.parametrize("mode", sorted(KILLED_WRITERS))
 def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_checkpoints(
     tmp_path, mode
 ) -> None:
-    writer, markers = KILLED_WRITERS[mode]
+    markers = KILLED_WRITERS[mode]
     # Steps 1-3 committed (keep_last=2 leaves 2 and 3); killed while writing step 4's state.pt.
-    run_until_paused(tmp_path, "write", 1, 4, writer, markers)
+    run_until_paused(tmp_path, "write", 1, 4, mode, markers)
     assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
     assert any(p.name.startswith(".step_000000004.distkit-tmp-") for p in tmp_path.iterdir()), (
         "the writer should have died inside the save of step 4"
@@ -933,7 +932,7 @@ def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_check
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((512, 512), 3.0))
 
     # Step 4 committed, then killed after retention un-committed step 2 but before deleting it.
-    run_until_paused(tmp_path, "delete", 4, 4, writer, markers)
+    run_until_paused(tmp_path, "delete", 4, 4, mode, markers)
     assert committed_steps(tmp_path) == ["step_000000003", "step_000000004"]
     assert any(p.name.startswith(".step_000000002.distkit-tmp-del-") for p in tmp_path.iterdir())
     with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """A checkpoint writer that stops at a chosen point of its last save, so a test can SIGKILL it there.
 
-Usage: python killed_writer.py DIRECTORY {write,delete,exit} FIRST_STEP LAST_STEP
+Usage: python killed_writer.py DIRECTORY {write,delete,exit} FIRST_STEP LAST_STEP [sync|async]
 
 Saves steps FIRST..LAST with ``CheckpointManager(DIRECTORY, keep_last=2)``; the state of step ``s`` is
 ``{"w": torch.full((512, 512), s), "step": s}`` (1 MiB of tensor data, so state.pt is written in
@@ -11,6 +11,10 @@ several chunks). During the save of LAST it prints ``PAUSED`` and sleeps at the 
   that old one's files are deleted;
 - ``exit``: no pause; the saves are asynchronous and the script returns right after the last
   ``save()`` without ``wait()``, so only interpreter exit waits for the writer.
+
+With ``async`` the manager saves in the background (``async_save=True``), each save waited for before
+the next one starts: the background save of LAST pauses on the writer thread, and ``RETURNED`` shows
+that the training thread's ``save()`` had already returned.
 
 The pause is injected by wrapping distkit's own private steps in this process only; everything the
 test then inspects was done by the real code.
@@ -38,6 +42,7 @@ def _pause() -> None:
 
 def main() -> None:
     directory, point, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    background = (sys.argv[5] if len(sys.argv) > 5 else "sync") == "async"
     armed = False
     if point == "write":
         write = ckpt_format._ChecksumWriter.write
@@ -60,13 +65,17 @@ def main() -> None:
         ckpt_files._purge = pause_before_purge
     elif point != "exit":
         raise SystemExit(f"unknown pause point {point!r}; use 'write', 'delete' or 'exit'")
-    manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=point == "exit")
+    manager = ckpt.CheckpointManager(directory, keep_last=2, async_save=background or point == "exit")
     # A restarted writer continues its own run (a killed writer's lock died with it).
     manager.claim(resuming=True)
     for step in range(first, last + 1):
+        if background:
+            manager.wait()  # armed only once the previous save is over: only LAST's writer pauses
         armed = step == last
         manager.save(step, {"w": torch.full((512, 512), float(step)), "step": step})
     print("RETURNED", flush=True)
+    if background:
+        manager.wait()
 
 
 if __name__ == "__main__":
