@@ -46,14 +46,20 @@ class Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 def run_epochs(
-    drop_last: bool, state: dict[str, Any] | None, stop_after: int | None, epochs: int, noisy: bool = False
+    drop_last: bool,
+    state: dict[str, Any] | None,
+    stop_after: int | None,
+    epochs: int,
+    noisy: bool = False,
+    workers: bool = False,
 ) -> dict[str, Any]:
     """This rank's batches (as lists), per epoch: ``epochs`` passes after loading ``state``, or
     stopping inside the first pass after ``stop_after`` batches (at most all of them, before the
     pass ends) with the state taken there."""
-    workers = {"num_workers": 2, "multiprocessing_context": FORK} if noisy else {}
+    # Workers only where they are the point: each start forks a process that has threads.
+    options = {"num_workers": 2, "multiprocessing_context": FORK} if workers else {}
     dataset = Noisy() if noisy else list(range(N))
-    loader = distkit.distributed_dataloader(dataset, BATCH, seed=SEED, drop_last=drop_last, **workers)
+    loader = distkit.distributed_dataloader(dataset, BATCH, seed=SEED, drop_last=drop_last, **options)
     if state is not None:
         loader.load_state_dict(state)
     out: dict[str, Any] = {"start": loader.state_dict()["batches_consumed"], "len": len(loader), "epochs": []}
@@ -130,7 +136,7 @@ def test_an_epoch_interrupted_on_some_ranks_finishes_on_others_with_each_unseen_
 
 
 def test_a_resumed_epoch_saved_again_resumes_bitwise_on_the_same_size_and_once_on_another(ranks) -> None:
-    first = ranks.run(run_epochs, False, None, 1, 1, True, world_size=2)  # Noisy data, 2 workers
+    first = ranks.run(run_epochs, False, None, 1, 1, True, world_size=2)  # Noisy data
     # On one rank: the rest of the epoch, uninterrupted, and the same stopped after 2 batches.
     whole = run_epochs(False, first[0]["state"], None, 2, True)
     part = run_epochs(False, first[0]["state"], 2, 1, True)
@@ -151,7 +157,7 @@ def test_a_resumed_epoch_saved_again_resumes_bitwise_on_the_same_size_and_once_o
 
 def test_the_rest_of_an_epoch_draws_the_same_with_and_without_workers(ranks) -> None:
     first = ranks.run(run_epochs, False, None, 2, 1, True, world_size=2)
-    in_workers = run_epochs(False, first[0]["state"], None, 1, True)  # 2 workers
+    in_workers = run_epochs(False, first[0]["state"], None, 1, True, True)  # 2 workers
     loader = distkit.distributed_dataloader(Noisy(), BATCH, seed=SEED)  # in this process
     loader.load_state_dict(first[1]["state"])
     in_process = [batch.tolist() for batch in loader]
