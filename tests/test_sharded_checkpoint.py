@@ -271,7 +271,7 @@ def killed_mid_save(directory: str) -> None:
     """Save steps 1 and 2, then SIGKILL rank 1 once its shard of step 3 is written, before the commit."""
     import torch.distributed.checkpoint as dcp
 
-    import distkit._checkpoint_sharded as sharded
+    import distkit.checkpoint._sharded as sharded
 
     model = shard(make_model())
     optimizer = optimizer_for(model)
@@ -361,7 +361,7 @@ def one_rank_cannot_write(directory: str) -> list[str]:
     """Save steps 1 (sync) and 2 (async) with rank 1's shard writes failing, then step 3 normally."""
     import torch.distributed.checkpoint as dcp
 
-    import distkit._checkpoint_sharded as sharded
+    import distkit.checkpoint._sharded as sharded
 
     class FullDisk(dcp.FileSystemWriter):
         def write_data(self, plan, planner):  # type: ignore[no-untyped-def]

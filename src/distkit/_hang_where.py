@@ -75,7 +75,7 @@ _DISTKIT_EXEMPT = {
         "coordination.py",
         "follow",
     ): "waiting for the main process to finish its block (its heartbeat is watched)",
-    ("checkpoint.py", "settle_other"): "waiting for rank 0 to commit the checkpoint",
+    ("_commit.py", "settle_other"): "waiting for rank 0 to commit the checkpoint",
 }
 # Thin wrappers of the Trainer whose caller is the more useful line.
 _TRAINER_PASSTHROUGH = frozenset({"precision.py"})

@@ -8,7 +8,7 @@ process counts and batch sizes, in interleaved repetitions, and writes a CSV, PN
 recommendation that states how sure it is; ``distkit bench --profile`` runs the scaling advisor
 instead (:func:`distkit.profile_scaling`). The parser imports no torch, so ``distkit --help`` and
 ``distkit --version`` answer at once; the bench command itself lives in
-:mod:`distkit.bench._command`, the checkpoint command in :mod:`distkit._checkpoint_command`.
+:mod:`distkit.bench._command`, the checkpoint command in :mod:`distkit.checkpoint._command`.
 """
 
 from __future__ import annotations
@@ -266,9 +266,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from distkit import _checkpoint_command
+    from distkit.checkpoint import _command
 
-    return _checkpoint_command.run_checkpoint_command(args)
+    return _command.run_checkpoint_command(args)
 
 
 def _positive_int(text: str) -> int:

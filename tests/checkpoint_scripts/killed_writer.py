@@ -27,9 +27,9 @@ import time
 
 import torch
 
-import distkit._checkpoint_files as ckpt_files
-import distkit._checkpoint_format as ckpt_format
 import distkit.checkpoint as ckpt
+import distkit.checkpoint._files as ckpt_files
+import distkit.checkpoint._format as ckpt_format
 
 # Longer than any test runs: the parent kills this process, it never wakes up.
 _SLEEP_S = 600.0

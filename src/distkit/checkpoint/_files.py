@@ -23,8 +23,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from distkit._checkpoint_errors import CheckpointCorruptError
-from distkit._checkpoint_format import (
+from distkit._fs import fsync_dir, temp_name
+from distkit._secrets import Scrubber, redact_url
+from distkit.checkpoint._errors import CheckpointCorruptError
+from distkit.checkpoint._format import (
     _MANIFEST_FILE,
     _MAX_MANIFEST_BYTES,
     _STATE_FILE,
@@ -34,8 +36,6 @@ from distkit._checkpoint_format import (
     _run_beside,
     _serialize,
 )
-from distkit._fs import fsync_dir, temp_name
-from distkit._secrets import Scrubber, redact_url
 
 try:  # POSIX; see _open_regular
     import fcntl

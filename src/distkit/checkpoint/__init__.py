@@ -21,15 +21,15 @@ checkpoint: every rank writes its own shards through ``torch.distributed.checkpo
 ``state.pt``, under the same manifest and commit, and it loads on any world size, into FSDP, DDP or
 a plain module; :func:`consolidate_checkpoint` turns one into a full checkpoint.
 
-This module is the public API; the parts below it are private, one concern each, and import only
-downwards: ``_checkpoint_errors`` (the two errors, defined low because every part raises them) <-
-``_checkpoint_format`` (file names, serialization, the manifest) <- ``_checkpoint_files`` (local and
-fsspec storage, safe opening, verification) <- ``_checkpoint_lock`` (one writer per directory);
-``_checkpoint_state`` converts live objects to a state and back, ``_checkpoint_resume`` holds
-:class:`ResumeState`, ``_checkpoint_commit`` how the ranks agree on a save, ``_checkpoint_sharded``
-the sharded I/O through DCP, ``_checkpoint_io`` one checkpoint's save and load,
-``_checkpoint_retention`` a directory's step checkpoints, and ``_checkpoint_manager`` the
-:class:`CheckpointManager` (who writes, when, retention, resumes).
+This package's ``__init__`` is the public API; the modules below it are private, one concern each,
+and import only downwards: ``_errors`` (the two errors, defined low because every part raises them)
+<- ``_format`` (file names, serialization, the manifest) <- ``_files`` (local and fsspec storage,
+safe opening, verification) <- ``_lock`` (one writer per directory); ``_state`` converts live
+objects to a state and back, ``_resume`` holds :class:`ResumeState`, ``_commit`` how the ranks agree
+on a save, ``_sharded`` the sharded I/O through DCP, ``_io`` one checkpoint's save and load,
+``_retention`` a directory's step checkpoints, ``_async`` the save in flight of an asynchronous
+manager, and ``_manager`` the :class:`CheckpointManager` (who writes, when, retention, resumes).
+``_command`` is the ``distkit checkpoint`` command.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from distkit._checkpoint_commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
-from distkit._checkpoint_errors import CheckpointConflictError, CheckpointCorruptError
-from distkit._checkpoint_files import _storage_for
-from distkit._checkpoint_io import _consolidate, _load_verified, _restore_into, _save_checkpoint
-from distkit._checkpoint_manager import CheckpointManager
-from distkit._checkpoint_resume import ResumeState
+from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
+from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError
+from distkit.checkpoint._files import _storage_for
+from distkit.checkpoint._io import _consolidate, _load_verified, _restore_into, _save_checkpoint
+from distkit.checkpoint._manager import CheckpointManager
+from distkit.checkpoint._resume import ResumeState
 
 __all__ = [
     "DEFAULT_FILE_MODE",

@@ -3,30 +3,24 @@
 Rank 0 publishes the outcome of a save or a claim (committed, or its exception) under a key of the
 job's key-value store; the other ranks wait on that key with their own deadline, so a failure on
 rank 0 raises on every rank instead of hanging them. Also the checks of the options every save
-shares (the file mode, the timeout, the metrics recorded in the manifest), and the save in flight of
-an asynchronous manager, which interpreter exit waits for.
+shares (the file mode, the timeout, the metrics recorded in the manifest). The save in flight of an
+asynchronous manager is :mod:`distkit.checkpoint._async`'s concern.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
-import sys
-import threading
 import time
 import traceback
-import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from distkit import runtime
-from distkit._checkpoint_errors import CheckpointConflictError, _label
-from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointConflictError, _label
 from distkit.collectives import broadcast_object
 from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
 
@@ -182,53 +176,3 @@ def _metrics_for_manifest(metrics: Mapping[str, Any] | None) -> dict[str, float]
                 f"metrics[{key!r}] must be a number or a one-element tensor, got {value!r}."
             ) from err
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The save in flight of an asynchronous CheckpointManager, until every rank has settled it.
-
-
-@dataclass
-class _Pending:
-    """The save in flight: its writer thread (rank 0; every rank in a sharded save) and the handshake
-    every rank settles."""
-
-    step: int
-    path: str
-    handshake: _Handshake | None
-    main: bool
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    # The error was already raised in save() on this rank; wait() only settles the handshake.
-    raised: bool = False
-
-
-_live_managers: weakref.WeakSet[Any] = weakref.WeakSet()  # CheckpointManagers
-_atexit_registered = False
-
-
-def _watch_at_exit(manager: Any) -> None:
-    """At interpreter exit, wait for ``manager``'s save in flight and print a failure nobody saw."""
-    global _atexit_registered
-    _live_managers.add(manager)
-    if not _atexit_registered:
-        atexit.register(_finish_at_exit)
-        _atexit_registered = True
-
-
-def _finish_at_exit() -> None:
-    # Writer threads are not daemons, so the interpreter has already let them finish; what is left
-    # is to report a failure nobody will see otherwise. No handshake here: the other ranks may be
-    # gone already.
-    for manager in list(_live_managers):
-        pending = manager._pending
-        if pending is None or pending.thread is None:
-            continue
-        pending.thread.join(manager.timeout_s)
-        if pending.error is not None and not pending.raised:
-            print(
-                f"distkit: {_label()} the background save of step {pending.step} to "
-                f"{redact_url(pending.path)} failed: {type(pending.error).__name__}: {pending.error}",
-                file=sys.stderr,
-                flush=True,
-            )

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit._checkpoint_errors import _label
-from distkit._checkpoint_files import _crc32_of_fd, _LocalStorage, _open_regular, _Storage
-from distkit._checkpoint_format import _DCP_METADATA_FILE, _manifest_builder
-from distkit._checkpoint_state import _holds_dtensors, _optimizer_owners
 from distkit._secrets import redact_url
+from distkit.checkpoint._errors import _label
+from distkit.checkpoint._files import _crc32_of_fd, _LocalStorage, _open_regular, _Storage
+from distkit.checkpoint._format import _DCP_METADATA_FILE, _manifest_builder
+from distkit.checkpoint._state import _holds_dtensors, _optimizer_owners
 from distkit.errors import DistkitError
 
 # --------------------------------------------------------------------------------------------------

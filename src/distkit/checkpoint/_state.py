@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._checkpoint_errors import _label
 from distkit._secrets import redact_url
+from distkit.checkpoint._errors import _label
 from distkit.errors import DistkitError
 
 # Exact types torch.load(weights_only=True) rebuilds without help (see torch._weights_only_unpickler):

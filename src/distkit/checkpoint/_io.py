@@ -2,8 +2,8 @@
 
 :func:`_save_checkpoint` is :func:`distkit.save_checkpoint` and every save of a
 :class:`~distkit.CheckpointManager`: rank 0 writes a full checkpoint, or every rank writes its
-shards of a sharded one (:mod:`distkit._checkpoint_sharded`), and the other ranks learn the outcome
-(:mod:`distkit._checkpoint_commit`). :func:`_load_verified` checks every file against the manifest
+shards of a sharded one (:mod:`distkit.checkpoint._sharded`), and the other ranks learn the outcome
+(:mod:`distkit.checkpoint._commit`). :func:`_load_verified` checks every file against the manifest
 while ``state.pt`` is loaded weights-only, and :func:`_restore_into` puts what was loaded into live
 objects, through DCP for a sharded checkpoint's modules and optimizers.
 """
@@ -19,20 +19,20 @@ from typing import Any
 import torch
 
 from distkit import runtime
-from distkit._checkpoint_commit import (
+from distkit._secrets import redact_url
+from distkit.checkpoint._commit import (
     _check_file_mode,
     _Handshake,
     _metrics_for_manifest,
     _reported_to_the_others,
     _resolve_timeout,
 )
-from distkit._checkpoint_errors import CheckpointCorruptError
-from distkit._checkpoint_files import _check_crc, _join, _Storage, _storage_for, _verify
-from distkit._checkpoint_format import _STATE_FILE, _is_sharded_manifest, _manifest_builder, _run_beside
-from distkit._checkpoint_resume import ResumeState
-from distkit._checkpoint_sharded import _load_everything, _restore_sharded, _save_sharded, _use_sharded
-from distkit._checkpoint_state import _check_loadable, _check_state, _collect, _restore
-from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointCorruptError
+from distkit.checkpoint._files import _check_crc, _join, _Storage, _storage_for, _verify
+from distkit.checkpoint._format import _STATE_FILE, _is_sharded_manifest, _manifest_builder, _run_beside
+from distkit.checkpoint._resume import ResumeState
+from distkit.checkpoint._sharded import _load_everything, _restore_sharded, _save_sharded, _use_sharded
+from distkit.checkpoint._state import _check_loadable, _check_state, _collect, _restore
 from distkit.errors import DistkitError
 
 # --------------------------------------------------------------------------------------------------

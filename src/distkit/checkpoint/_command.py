@@ -14,11 +14,11 @@ import json
 import time
 from typing import Any
 
-from distkit._checkpoint_errors import CheckpointCorruptError
-from distkit._checkpoint_files import _storage_for, _verify
-from distkit._checkpoint_format import _is_sharded_manifest
-from distkit._checkpoint_retention import _StepDirectory
 from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointCorruptError
+from distkit.checkpoint._files import _storage_for, _verify
+from distkit.checkpoint._format import _is_sharded_manifest
+from distkit.checkpoint._retention import _StepDirectory
 from distkit.errors import DistkitError
 
 

@@ -4,39 +4,43 @@
 The manager owns the policy: who writes (one run, one writer per directory: :meth:`claim`), when
 (synchronously, or on a writer thread with ``async_save=True``), in which format (full, or sharded
 through DCP when the state holds sharded modules), and which checkpoint a resume picks. Finding,
-verifying and deleting step checkpoints is :mod:`distkit._checkpoint_retention`'s concern.
+verifying and deleting step checkpoints is :mod:`distkit.checkpoint._retention`'s concern, and the
+save in flight of an async manager (its writer threads) :mod:`distkit.checkpoint._async`'s.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 import weakref
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, Literal
 
 from distkit import runtime
-from distkit._checkpoint_commit import (
+from distkit._secrets import redact_url
+from distkit.checkpoint._async import (
+    _async_group,
+    _full_writer,
+    _Pending,
+    _snapshot_on_main,
+    _start_sharded_writer,
+    _watch_at_exit,
+)
+from distkit.checkpoint._commit import (
     DEFAULT_FILE_MODE,
     _check_file_mode,
     _Handshake,
     _metrics_for_manifest,
-    _Pending,
     _reported_to_the_others,
     _resolve_timeout,
-    _watch_at_exit,
 )
-from distkit._checkpoint_errors import CheckpointConflictError, CheckpointCorruptError, _label
-from distkit._checkpoint_files import _join, _storage_for
-from distkit._checkpoint_format import _manifest_builder
-from distkit._checkpoint_io import _load_verified, _restore_into, _save_checkpoint
-from distkit._checkpoint_lock import _LocalWriterLock, _writer_lock_for
-from distkit._checkpoint_retention import _shown_steps, _StepDirectory
-from distkit._checkpoint_sharded import _check_sharded_option, _start_async_sharded, _use_sharded
-from distkit._checkpoint_state import _check_loadable, _check_state, _collect, _to_cpu
-from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, _label
+from distkit.checkpoint._files import _join, _storage_for
+from distkit.checkpoint._io import _load_verified, _restore_into, _save_checkpoint
+from distkit.checkpoint._lock import _LocalWriterLock, _writer_lock_for
+from distkit.checkpoint._retention import _shown_steps, _StepDirectory
+from distkit.checkpoint._sharded import _check_sharded_option, _use_sharded
+from distkit.checkpoint._state import _check_state, _collect
 from distkit.collectives import all_gather_object
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
@@ -347,78 +351,41 @@ class CheckpointManager:
         handshake = _Handshake(f"checkpoint {redact_url(path)}", self.timeout_s) if multi else None
         pending = _Pending(step, path, handshake, main=runtime.get_rank() == 0)
         if _use_sharded(state, self.sharded):
-            self._start_sharded(pending, state, metrics_json)
+            if multi and self._async_group is None:
+                self._async_group = _async_group(self.timeout_s)
+            pending.thread = _start_sharded_writer(
+                self._storage,
+                pending,
+                state,
+                metrics_json,
+                file_mode=self.file_mode,
+                guard=self._lock.check,
+                group=self._async_group,
+                on_committed=self._retain,
+            )
+            self._pending = pending
             return path
         if not pending.main:
             _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
             self._pending = pending
             return path
         try:
-            payload = _collect(state)
-            _check_loadable(payload)
-            snapshot = _to_cpu(payload)
-        except BaseException as err:
-            # The other ranks learn it at their next save() or wait(), like a background failure.
-            pending.error, pending.raised = err, True
-            if handshake is not None:
-                handshake.publish(err)
+            snapshot = _snapshot_on_main(pending, state)
+        except BaseException:
             self._pending = pending
             raise
-        manifest = _manifest_builder(step, metrics_json, list(snapshot))
-        pending.thread = threading.Thread(
-            target=self._write_in_background,
-            args=(pending, snapshot, manifest),
-            name=f"distkit-checkpoint-step-{step}",
+        pending.thread = _full_writer(
+            self._storage,
+            pending,
+            snapshot,
+            metrics_json,
+            file_mode=self.file_mode,
+            guard=self._lock.check,
+            on_committed=self._retain,
         )
         self._pending = pending
         pending.thread.start()
         return path
-
-    def _start_sharded(
-        self, pending: _Pending, state: Mapping[str, Any], metrics: dict[str, float] | None
-    ) -> None:
-        # Every rank has a writer thread: DCP writes its shards, then rank 0 commits. A failure
-        # before the threads start raises on every rank at once, so nothing is left pending.
-        if runtime.get_world_size() > 1 and self._async_group is None:
-            import torch.distributed as dist
-
-            self._async_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-
-        def done(error: BaseException | None) -> None:
-            pending.error = error
-            if pending.main:
-                if error is None:
-                    self._retain(pending.step)  # committed: from here on only warnings
-                if pending.handshake is not None:
-                    pending.handshake.publish(error)
-
-        pending.thread = _start_async_sharded(
-            self._storage,
-            pending.path,
-            state,
-            step=pending.step,
-            metrics=metrics,
-            file_mode=self.file_mode,
-            guard=self._lock.check,
-            collect=_collect,
-            check=_check_loadable,
-            snapshot=_to_cpu,
-            group=self._async_group,
-            on_done=done,
-            name=f"distkit-checkpoint-step-{pending.step}",
-        )
-        self._pending = pending
-
-    def _write_in_background(self, pending: _Pending, snapshot: dict[str, Any], manifest: Any) -> None:
-        try:
-            self._storage.write_checkpoint(pending.path, snapshot, manifest, self.file_mode, self._lock.check)
-        except BaseException as err:
-            pending.error = err
-        else:
-            self._retain(pending.step)  # committed: from here on only warnings
-        finally:
-            if pending.handshake is not None:
-                pending.handshake.publish(pending.error)
 
     def wait(self) -> None:
         """Block until the save in flight (async mode) is committed; raise if it failed.

@@ -5,7 +5,7 @@ checksum on the way; ``manifest.json`` records its size and CRC32 and is built a
 field by field. A sharded checkpoint adds the files of torch's Distributed Checkpoint (``.metadata``
 and one ``__<rank>_<n>.distcp`` per rank), all listed in the same manifest, whose ``format`` then
 says ``distkit-sharded-checkpoint``. Where the files live and how they are opened is
-:mod:`distkit._checkpoint_files`' concern.
+:mod:`distkit.checkpoint._files`' concern.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import torch
 
 from distkit import runtime
-from distkit._checkpoint_errors import CheckpointCorruptError
 from distkit._fs import TEMP_MARKER
 from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.errors import DistkitError
 
 # The files of a checkpoint directory, and the names of the step directories a manager keeps.

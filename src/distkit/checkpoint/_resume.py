@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from distkit import runtime
-from distkit._checkpoint_errors import _label
+from distkit.checkpoint._errors import _label
 from distkit.collectives import all_gather_object
 from distkit.seeding import capture_rng_state, restore_rng_state
 

@@ -15,9 +15,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from distkit._checkpoint_errors import CheckpointConflictError, _label
-from distkit._checkpoint_files import _join, _RemoteStorage, _Storage
 from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointConflictError, _label
+from distkit.checkpoint._files import _join, _RemoteStorage, _Storage
 
 try:  # POSIX; elsewhere the writer lock is off (with a warning), see _LocalWriterLock
     import fcntl

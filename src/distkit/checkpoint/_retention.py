@@ -11,9 +11,10 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from distkit._checkpoint_errors import CheckpointCorruptError, _label
-from distkit._checkpoint_files import _join, _read_manifest, _Storage, _verify
-from distkit._checkpoint_format import (
+from distkit._secrets import redact_url
+from distkit.checkpoint._errors import CheckpointCorruptError, _label
+from distkit.checkpoint._files import _join, _read_manifest, _Storage, _verify
+from distkit.checkpoint._format import (
     _LEFTOVER_RE,
     _MANIFEST_FILE,
     _STEP_RE,
@@ -21,7 +22,6 @@ from distkit._checkpoint_format import (
     _is_number,
     _is_own_file,
 )
-from distkit._secrets import redact_url
 from distkit.errors import DistkitError
 
 

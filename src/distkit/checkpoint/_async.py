@@ -1,0 +1,172 @@
+"""The save in flight of an asynchronous :class:`~distkit.checkpoint.CheckpointManager` (private).
+
+With ``async_save=True`` the training thread only copies the state to CPU memory; a writer thread
+(rank 0's, or every rank's in a sharded save) writes and commits it, then runs retention and tells
+the other ranks through the save's handshake. :class:`_Pending` is that save until every rank has
+settled it (at the next ``save()`` or ``wait()``), and interpreter exit waits for its thread and
+prints a failure nobody saw. When to start a save and when to wait stays the manager's concern.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from distkit._secrets import redact_url
+from distkit.checkpoint._commit import _Handshake
+from distkit.checkpoint._errors import _label
+from distkit.checkpoint._files import _Storage
+from distkit.checkpoint._format import _manifest_builder
+from distkit.checkpoint._sharded import _start_async_sharded
+from distkit.checkpoint._state import _check_loadable, _collect, _to_cpu
+
+
+@dataclass
+class _Pending:
+    """The save in flight: its writer thread (rank 0; every rank in a sharded save) and the handshake
+    every rank settles."""
+
+    step: int
+    path: str
+    handshake: _Handshake | None
+    main: bool
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    # The error was already raised in save() on this rank; wait() only settles the handshake.
+    raised: bool = False
+
+
+# --------------------------------------------------------------------------------------------------
+# Starting the writer threads.
+
+
+def _snapshot_on_main(pending: _Pending, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank 0 of a full async save: ``state`` copied to CPU memory (the only stall the training loop
+    pays). A failure is recorded in ``pending`` and published before it is raised: the other ranks
+    learn it at their next ``save()`` or ``wait()``, like a background failure."""
+    try:
+        payload = _collect(state)
+        _check_loadable(payload)
+        return _to_cpu(payload)
+    except BaseException as err:
+        pending.error, pending.raised = err, True
+        if pending.handshake is not None:
+            pending.handshake.publish(err)
+        raise
+
+
+def _full_writer(
+    storage: _Storage,
+    pending: _Pending,
+    snapshot: dict[str, Any],
+    metrics: dict[str, float] | None,
+    *,
+    file_mode: int,
+    guard: Callable[[], None],
+    on_committed: Callable[[int], None],
+) -> threading.Thread:
+    """Rank 0's writer thread (not started) of a full async save of ``snapshot``; once the checkpoint
+    is committed it calls ``on_committed(step)`` (retention), then publishes the outcome."""
+    manifest = _manifest_builder(pending.step, metrics, list(snapshot))
+
+    def write() -> None:
+        try:
+            storage.write_checkpoint(pending.path, snapshot, manifest, file_mode, guard)
+        except BaseException as err:
+            pending.error = err
+        else:
+            on_committed(pending.step)  # committed: from here on only warnings
+        finally:
+            if pending.handshake is not None:
+                pending.handshake.publish(pending.error)
+
+    return threading.Thread(target=write, name=f"distkit-checkpoint-step-{pending.step}")
+
+
+def _async_group(timeout_s: float) -> Any:
+    """The gloo group of the threads that finish async sharded saves: their collectives must not
+    interleave with the training thread's. Collective: made once per manager, on every rank."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _start_sharded_writer(
+    storage: _Storage,
+    pending: _Pending,
+    state: Mapping[str, Any],
+    metrics: dict[str, float] | None,
+    *,
+    file_mode: int,
+    guard: Callable[[], None],
+    group: Any,
+    on_committed: Callable[[int], None],
+) -> threading.Thread:
+    """Every rank's writer thread (started) of a sharded async save: DCP writes the shards, then rank
+    0 commits, calls ``on_committed(step)`` (retention) and publishes the outcome. A failure before
+    the threads start raises on every rank at once, so nothing is left pending."""
+
+    def done(error: BaseException | None) -> None:
+        pending.error = error
+        if pending.main:
+            if error is None:
+                on_committed(pending.step)  # committed: from here on only warnings
+            if pending.handshake is not None:
+                pending.handshake.publish(error)
+
+    return _start_async_sharded(
+        storage,
+        pending.path,
+        state,
+        step=pending.step,
+        metrics=metrics,
+        file_mode=file_mode,
+        guard=guard,
+        collect=_collect,
+        check=_check_loadable,
+        snapshot=_to_cpu,
+        group=group,
+        on_done=done,
+        name=f"distkit-checkpoint-step-{pending.step}",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Interpreter exit waits for every manager's save in flight.
+
+
+_live_managers: weakref.WeakSet[Any] = weakref.WeakSet()  # CheckpointManagers
+_atexit_registered = False
+
+
+def _watch_at_exit(manager: Any) -> None:
+    """At interpreter exit, wait for ``manager``'s save in flight and print a failure nobody saw."""
+    global _atexit_registered
+    _live_managers.add(manager)
+    if not _atexit_registered:
+        atexit.register(_finish_at_exit)
+        _atexit_registered = True
+
+
+def _finish_at_exit() -> None:
+    # Writer threads are not daemons, so the interpreter has already let them finish; what is left
+    # is to report a failure nobody will see otherwise. No handshake here: the other ranks may be
+    # gone already.
+    for manager in list(_live_managers):
+        pending = manager._pending
+        if pending is None or pending.thread is None:
+            continue
+        pending.thread.join(manager.timeout_s)
+        if pending.error is not None and not pending.raised:
+            print(
+                f"distkit: {_label()} the background save of step {pending.step} to "
+                f"{redact_url(pending.path)} failed: {type(pending.error).__name__}: {pending.error}",
+                file=sys.stderr,
+                flush=True,
+            )
