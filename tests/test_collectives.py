@@ -178,17 +178,29 @@ def test_uneven_gather_returns_each_ranks_exact_rows(ranks) -> None:
         assert scalars == [0.0, 1.0, 2.0]
 
 
-def gather_wrong_trailing_dim() -> str:
-    try:
-        distkit.all_gather(torch.zeros(2, 3 + distkit.get_rank()))
-    except distkit.DistkitError as err:
-        return str(err)
-    return "no error"
+def gather_wrong_dims_or_dtype() -> list[str]:
+    rank = distkit.get_rank()
+    messages = []
+    # Sizes may differ in every dimension, but not the number of dimensions, nor the dtype.
+    for tensor in (
+        torch.zeros((2, 3) if rank == 0 else (2, 3, 1)),
+        torch.zeros(2, dtype=[torch.float32, torch.int64][rank]),
+    ):
+        try:
+            distkit.all_gather(tensor)
+            messages.append("no error")
+        except distkit.DistkitError as err:
+            messages.append(str(err))
+    return messages
 
 
-def test_gather_with_different_trailing_dims_names_the_shapes(ranks) -> None:
-    for message in ranks.run(gather_wrong_trailing_dim, world_size=2):
-        assert "rank 0: torch.float32 shape (2, 3), rank 1: torch.float32 shape (2, 4)" in message
+def test_gather_with_different_dims_or_dtypes_names_the_shapes(ranks) -> None:
+    for rank, (dims, dtypes) in enumerate(ranks.run(gather_wrong_dims_or_dtype, world_size=2)):
+        assert dims.startswith(
+            f"[rank {rank}/2] all_gather() needs the same dtype and the same number of dimensions"
+        )
+        assert "rank 0: torch.float32 shape (2, 3), rank 1: torch.float32 shape (2, 3, 1)" in dims
+        assert "rank 0: torch.float32 shape (2,), rank 1: torch.int64 shape (2,)" in dtypes
 
 
 def objects_and_flags() -> dict:
@@ -290,8 +302,8 @@ def test_op_names_any_case_and_reduce_op_members_in_a_world_of_one() -> None:
         distkit.reduce_metrics({"x": 1.0}, op="median")
     with pytest.raises(TypeError, match=r"op must be a name such as 'sum' .* got int: 3"):
         distkit.all_reduce(torch.tensor([1.0]), op=3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="op='mean' needs a floating-point tensor"):
-        distkit.all_reduce(torch.tensor([1]), op=dist.ReduceOp.AVG)
+    with pytest.raises(TypeError, match="op='mean' has no meaning for a bool tensor"):
+        distkit.all_reduce(torch.tensor([True]), op=dist.ReduceOp.AVG)
 
 
 def test_world_of_one_collectives_keep_their_return_types() -> None:
@@ -312,5 +324,5 @@ def test_bad_metric_values_say_what_to_pass() -> None:
         distkit.reduce_metrics({"x": "high"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="op must be"):
         distkit.reduce_metrics({"x": 1.0}, op="average")
-    with pytest.raises(TypeError, match="op='mean' needs a floating-point tensor"):
-        distkit.all_reduce(torch.tensor([1]), op="mean")
+    with pytest.raises(TypeError, match="op='mean' has no meaning for a bool tensor"):
+        distkit.all_reduce(torch.tensor([False]), op="mean")

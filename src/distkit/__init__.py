@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         any_rank as any_rank,
         broadcast_object as broadcast_object,
         reduce_metrics as reduce_metrics,
+        scatter_object as scatter_object,
     )
     from distkit.coordination import (
         main_process_first as main_process_first,
@@ -86,6 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         is_initialized as is_initialized,
         is_local_main_process as is_local_main_process,
         is_main_process as is_main_process,
+        local_main_process_only as local_main_process_only,
         main_process_only as main_process_only,
         rank_zero_print as rank_zero_print,
         shutdown as shutdown,
@@ -133,6 +135,7 @@ _LAZY: dict[str, str] = {
     "any_rank": "distkit.collectives",
     "broadcast_object": "distkit.collectives",
     "reduce_metrics": "distkit.collectives",
+    "scatter_object": "distkit.collectives",
     "LaunchEnv": "distkit.env",
     "detect_env": "distkit.env",
     "expand_slurm_nodelist": "distkit.env",
@@ -158,6 +161,7 @@ _LAZY: dict[str, str] = {
     "is_local_main_process": "distkit.runtime",
     "is_main_process": "distkit.runtime",
     "main_process_only": "distkit.runtime",
+    "local_main_process_only": "distkit.runtime",
     "rank_zero_print": "distkit.runtime",
     "shutdown": "distkit.runtime",
     # coordination and storage

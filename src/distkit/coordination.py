@@ -51,6 +51,21 @@ _WATCHDOG_GAP_S = 5.0
 _OK, _ERROR, _DEAD = "ok", "error", "dead"
 
 
+def _check_first(rank: int, *, local: bool) -> None:
+    """``rank`` names a process of the job (``local``: of this node) that can go first."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"main_process_first() rank must be an int, got {type(rank).__name__}: {rank!r}.")
+    env = runtime.get_env()
+    size, kind = (env.local_world_size, "local rank") if local else (env.world_size, "rank")
+    if not 0 <= rank < size:
+        where = f"this node runs {size} process(es)" if local else f"this job has {size} process(es)"
+        raise ValueError(
+            f"[rank {env.rank}/{env.world_size}] main_process_first(rank={rank}"
+            f"{', local=True' if local else ''}) names no process: {where}, {kind}s 0..{size - 1}. "
+            f"Pass a {kind} below {size}."
+        )
+
+
 def _check_timeout(timeout_s: float) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}.")
@@ -106,14 +121,16 @@ class _Box:
 class _Section:
     """One main-first section as this rank sees it: its role, its store keys and how to report."""
 
-    def __init__(self, *, local: bool, what: str) -> None:
+    def __init__(self, *, local: bool, what: str, first: int = 0) -> None:
         rt = runtime._require_runtime(what)
         env = rt.env
         self.rank, self.world_size, self.node_rank = env.rank, env.world_size, env.node_rank
         self.local = local
         self.what = what
         self.store = rt.store
-        self.is_leader = env.local_rank == 0 if local else env.rank == 0
+        # The (local, with local=True) rank that goes first: 0, the main process, by default.
+        self.first = first
+        self.is_leader = env.local_rank == first if local else env.rank == first
         self.followers = (env.local_world_size if local else env.world_size) - 1
         # Every rank enters sections in the same order, so the counter agrees across ranks. The
         # restart count keeps a restarted job (torchrun --max-restarts, same agent store) from
@@ -133,9 +150,11 @@ class _Section:
 
     def leader_name(self, leader_rank: int | None) -> str:
         if not self.local:
-            return "main process (rank 0)"
-        where = f"rank {leader_rank}" if leader_rank is not None else "local rank 0"
-        return f"local main process of node {self.node_rank} ({where})"
+            return "main process (rank 0)" if self.first == 0 else f"first process (rank {self.first})"
+        where = f"rank {leader_rank}" if leader_rank is not None else f"local rank {self.first}"
+        if self.first == 0:
+            return f"local main process of node {self.node_rank} ({where})"
+        return f"first process of node {self.node_rank} (local rank {self.first}, {where})"
 
     # -- the main process ------------------------------------------------------------------------
 
@@ -231,7 +250,7 @@ class _Section:
 
     def _leader_rank(self) -> int | None:
         if not self.local:
-            return 0
+            return self.first
         try:
             if self.store.check([self.leader_key]):
                 return int(self.store.get(self.leader_key))
@@ -374,7 +393,9 @@ def _follow_without_store(section: _Section) -> Any:
 
 
 @contextlib.contextmanager
-def main_process_first(*, local: bool = False, timeout_s: float = _DEFAULT_TIMEOUT_S) -> Iterator[None]:
+def main_process_first(
+    *, local: bool = False, rank: int = 0, timeout_s: float = _DEFAULT_TIMEOUT_S
+) -> Iterator[None]:
     """Run the block on the main process first; the other ranks run it once it has finished.
 
     Collective: call on every rank. Without a process group (a world of one) it just runs the block.
@@ -389,6 +410,9 @@ def main_process_first(*, local: bool = False, timeout_s: float = _DEFAULT_TIMEO
     Args:
         local: Let local rank 0 of every node go first (per-node work such as filling a node-local
             cache) instead of global rank 0.
+        rank: The rank that goes first instead of the main process (rank 0); with ``local=True``,
+            the local rank that goes first on every node. Everything said here of the main
+            process then holds for that rank.
         timeout_s: How long the other ranks wait for the main process, in seconds (default 7200,
             two hours: long enough for a large download).
 
@@ -398,7 +422,8 @@ def main_process_first(*, local: bool = False, timeout_s: float = _DEFAULT_TIMEO
             store became unreachable.
         CollectiveTimeoutError: On the waiting ranks, when the main process did not finish within
             ``timeout_s``; ``missing_ranks`` names it.
-        ValueError: ``timeout_s`` is not a positive, finite number.
+        ValueError: ``timeout_s`` is not a positive, finite number, or ``rank`` is not a rank of
+            the job (with ``local=True``, of this node).
 
     Example:
         >>> import distkit
@@ -406,10 +431,12 @@ def main_process_first(*, local: bool = False, timeout_s: float = _DEFAULT_TIMEO
         ...     path = "data/train.bin"  # download or preprocess here; others reuse the result
     """
     timeout_s = _check_timeout(timeout_s)
+    _check_first(rank, local=local)
     if runtime.get_world_size() == 1:
         yield
         return
-    section = _Section(local=local, what="main_process_first()")
+    what = "main_process_first()" if rank == 0 else f"main_process_first(rank={rank})"
+    section = _Section(local=local, what=what, first=rank)
     if section.followers == 0:  # local=True on a node with one process: nobody waits
         yield
         return

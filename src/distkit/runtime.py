@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ __all__ = [
     "is_initialized",
     "is_local_main_process",
     "is_main_process",
+    "local_main_process_only",
     "main_process_only",
     "rank_zero_print",
     "shutdown",
@@ -78,6 +79,9 @@ class _Runtime:
     owns_group: bool = False
     # Per-process counters; every rank calls the same sequence of collectives, so they agree.
     counters: dict[str, int] = field(default_factory=dict)
+    # Barriers of groups the caller made, per group name: only their members count them, so they
+    # are kept apart from the counters every rank shares.
+    group_barriers: dict[str, int] = field(default_factory=dict)
     # The hang doctor (docs/debugging.md): its watchdog timeout as init() resolved it (None: off;
     # seconds; "auto"), and the doctor itself in a job of several processes with a store.
     hang_timeout_s: float | str | None = None
@@ -655,10 +659,54 @@ def get_device() -> torch.device:
     return _default_device(get_env())
 
 
-def main_process_only(fn: Callable[P, R]) -> Callable[P, R | None]:
+def _check_decorator_rank(rank: int, what: str) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{what} rank must be an int >= 0, got {rank!r}.")
+    return rank
+
+
+def _only_on(fn: Callable[P, R], rank: int, *, local: bool, name: str) -> Callable[P, R | None]:
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        env = get_env()
+        mine, size = (env.local_rank, env.local_world_size) if local else (env.rank, env.world_size)
+        if rank >= size:
+            # Checked at the call, not at decoration: the job's size is known only then. A rank
+            # that does not exist would otherwise make the function silently never run.
+            where = (
+                f"this node runs {size} process(es), local ranks"
+                if local
+                else f"this job has {size} process(es), ranks"
+            )
+            raise ValueError(
+                f"[rank {env.rank}/{env.world_size}] {name}(rank={rank}) on "
+                f"{getattr(fn, '__qualname__', fn)!s}: {where} 0..{size - 1}, so no process would run "
+                f"it. Pass a rank below {size}."
+            )
+        return fn(*args, **kwargs) if mine == rank else None
+
+    return wrapper
+
+
+@overload
+def main_process_only(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+@overload
+def main_process_only(*, rank: int = 0) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+def main_process_only(
+    fn: Callable[P, R] | None = None, /, *, rank: int = 0
+) -> Callable[P, R | None] | Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Decorate ``fn`` to run on the main process only; other ranks return ``None`` at once.
 
-    Local: no communication, so the other ranks do not wait for it.
+    Local: no communication, so the other ranks do not wait for it. Without a process group the
+    one process is rank 0 and runs ``fn``.
+
+    Args:
+        fn: The function, when used bare as ``@main_process_only``.
+        rank: The global rank that runs ``fn`` (``@main_process_only(rank=1)``); 0 by default.
+
+    Raises:
+        ValueError: At decoration, ``rank`` is not an int >= 0; at the call, ``rank`` is not a
+            rank of this job (no process would run ``fn``).
 
     Example:
         >>> import distkit
@@ -668,12 +716,49 @@ def main_process_only(fn: Callable[P, R]) -> Callable[P, R | None]:
         >>> save_plot("loss.png")
         'loss.png'
     """
+    _check_decorator_rank(rank, "main_process_only()")
 
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-        return fn(*args, **kwargs) if is_main_process() else None
+    def decorate(f: Callable[P, R]) -> Callable[P, R | None]:
+        return _only_on(f, rank, local=False, name="main_process_only")
 
-    return wrapper
+    return decorate if fn is None else decorate(fn)
+
+
+@overload
+def local_main_process_only(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+@overload
+def local_main_process_only(*, rank: int = 0) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+def local_main_process_only(
+    fn: Callable[P, R] | None = None, /, *, rank: int = 0
+) -> Callable[P, R | None] | Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Decorate ``fn`` to run on local rank 0 of every node only; other ranks return ``None`` at once.
+
+    Local: no communication, so the other ranks do not wait for it. Use it for per-node work
+    (clearing a node-local cache, logging a node's GPUs). Without a process group the one process
+    runs ``fn``.
+
+    Args:
+        fn: The function, when used bare as ``@local_main_process_only``.
+        rank: The local rank that runs ``fn`` on each node; 0 by default.
+
+    Raises:
+        ValueError: At decoration, ``rank`` is not an int >= 0; at the call, ``rank`` is not a
+            local rank of this node (no process of the node would run ``fn``).
+
+    Example:
+        >>> import distkit
+        >>> @distkit.local_main_process_only
+        ... def node_cache() -> str:
+        ...     return "/tmp/cache"
+        >>> node_cache()
+        '/tmp/cache'
+    """
+    _check_decorator_rank(rank, "local_main_process_only()")
+
+    def decorate(f: Callable[P, R]) -> Callable[P, R | None]:
+        return _only_on(f, rank, local=True, name="local_main_process_only")
+
+    return decorate if fn is None else decorate(fn)
 
 
 def rank_zero_print(*args: Any, **kwargs: Any) -> None:
@@ -740,10 +825,11 @@ def _require_runtime(what: str) -> _Runtime:
     return _runtime
 
 
-def barrier(timeout_s: float | None = None) -> None:
+def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
     """Wait until every rank arrives, or raise naming the ranks that did not.
 
-    Collective: call on every rank. Without a process group it returns at once.
+    Collective: call on every rank (of ``group``, when given). Without a process group, and on a
+    rank outside ``group``, it returns at once.
 
     The barrier runs through the job's key-value store, so every waiting rank (not only rank 0, as
     with gloo's monitored barrier) learns which ranks are missing, on every backend. A barrier still
@@ -751,18 +837,29 @@ def barrier(timeout_s: float | None = None) -> None:
     or has already left the job (its script ended), can never arrive, and the barrier raises
     :class:`~distkit.CollectiveMismatchError` at once instead of waiting for its deadline.
 
+    With ``group`` only its members wait for each other, through the store as well; the early
+    "can never arrive" verdict covers barriers of every rank only, so a group's barrier waits for
+    its deadline.
+
     Args:
         timeout_s: Deadline in seconds; the process group's timeout when ``None``.
+        group: A group made with ``torch.distributed.new_group``: wait for its ranks only.
+            ``None``: every rank.
 
     Raises:
-        CollectiveTimeoutError: Some rank did not arrive in time; ``missing_ranks`` lists them.
+        CollectiveTimeoutError: Some rank did not arrive in time; ``missing_ranks`` lists them
+            (global ranks, also with ``group``).
         CollectiveMismatchError: Some rank can never arrive (it waits elsewhere, or has left);
             ``missing_ranks`` lists them and the message says where they are.
+        TypeError: ``group`` is not a process group.
 
     Example:
         >>> import distkit
         >>> distkit.barrier(timeout_s=60)
     """
+    if group is not None and group is not dist.GroupMember.WORLD:
+        _group_barrier(group, timeout_s)
+        return
     if get_world_size() == 1:
         return
     runtime = _require_runtime("barrier()")
@@ -811,6 +908,64 @@ def barrier(timeout_s: float | None = None) -> None:
     store.delete_key(release)
     if doctor is not None and time.monotonic() - start > _hang.FIRST_CHECK_S:
         doctor.finish_slow(f"b{generation}")
+
+
+def _group_barrier(group: Any, timeout_s: float | None) -> None:
+    """:func:`barrier` among the ranks of ``group``, through the store: every member names the late."""
+    if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return  # what new_group returns on a rank it leaves out
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"barrier() group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__}: {group!r}. Make one on every rank with "
+            f"torch.distributed.new_group(ranks=[...])."
+        )
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    if me not in ranks or len(ranks) < 2:
+        return  # outside the group (torch's convention), or alone in it
+    runtime = _require_runtime("barrier()")
+    timeout = runtime.timeout_s if timeout_s is None else float(timeout_s)
+    if timeout <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize(runtime.device)
+    label = f"[rank {runtime.env.rank}/{runtime.env.world_size}]"
+    if runtime.store is None:
+        try:
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as err:
+            raise CollectiveTimeoutError(
+                f"{label} barrier on the group of ranks {ranks} timed out after {timeout:g} s: {err}.",
+                missing_ranks=None,
+                timeout_s=timeout,
+            ) from err
+        return
+    # torch names a group alike on all its members (new_group is called by every rank in the same
+    # order), and the members call their barriers in the same order, so the key names agree.
+    name = group.group_name
+    generation = runtime.group_barriers[name] = runtime.group_barriers.get(name, 0) + 1
+    prefix = f"group_barrier/{name}/{generation}"
+    store = runtime.store
+    store.set(f"{prefix}/arrived/{me}", "1")
+    if int(store.add(f"{prefix}/count", 1)) == len(ranks):
+        store.multi_set([f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * len(ranks))
+        for key in [f"{prefix}/count", *(f"{prefix}/arrived/{rank}" for rank in ranks)]:
+            store.delete_key(key)
+    release = f"{prefix}/release/{me}"
+    try:
+        store.wait([release], timedelta(seconds=timeout))
+    except RuntimeError as err:  # DistStoreError on timeout
+        if not store.check([release]):
+            missing = [r for r in ranks if r != me and not store.check([f"{prefix}/arrived/{r}"])]
+            raise CollectiveTimeoutError(
+                f"{label} barrier on the group of ranks {ranks} timed out after {timeout:g} s: "
+                f"rank(s) {missing} did not arrive. Call it on every rank of the group, in the same "
+                f"order.",
+                missing_ranks=missing,
+                timeout_s=timeout,
+            ) from err
+    store.delete_key(release)
 
 
 def _wait_released(store: dist.Store, key: str, timeout: float) -> None:
