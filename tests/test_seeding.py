@@ -25,7 +25,7 @@ FORK = "fork"
 def isolated_rng() -> Iterator[None]:
     """Put back this process's RNG states, deterministic flags and default loader seed."""
     rng = distkit.capture_rng_state()
-    loader_seed = seeding._loader_seed
+    loader_seed, per_rank = seeding._loader_seed, seeding._per_rank
     flags = (
         torch.are_deterministic_algorithms_enabled(),
         torch.backends.cudnn.deterministic,
@@ -34,7 +34,7 @@ def isolated_rng() -> Iterator[None]:
     environ = dict(os.environ)
     yield
     distkit.restore_rng_state(rng)
-    seeding._loader_seed = loader_seed
+    seeding._loader_seed, seeding._per_rank = loader_seed, per_rank
     torch.use_deterministic_algorithms(flags[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[1], flags[2]
     os.environ.clear()
@@ -226,3 +226,189 @@ def test_loading_in_the_training_process_leaves_its_rng_states_exactly(
         assert not any(torch.equal(a, b) for a, b in zip(first, batches, strict=True))  # new epochs
     loader.set_epoch(0)
     assert all(torch.equal(a, b) for a, b in zip(first, loader, strict=True))
+
+
+# --- per-rank randomness: seed_everything(seed, per_rank=True) ---------------------------------
+
+
+def _hand_seeded_draws(seed: int) -> tuple[float, float, float]:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return _draws()
+
+
+def test_per_rank_seed_follows_the_documented_derivation_and_keeps_the_loader_seed(
+    isolated_rng,
+) -> None:
+    # A world of one is rank 0: its generators get derive_seed(seed, 5, 0) % 2**32, not the seed.
+    applied = distkit.seed_everything(7, per_rank=True)
+    assert applied == derive_seed(7, 5, 0) % 2**32 != 7
+    draws = _draws()
+    assert draws == _hand_seeded_draws(applied)
+    assert draws != _hand_seeded_draws(7)
+    assert _order() == _order(seed=7)  # loaders default to the common seed, never the rank's
+    assert seeding._per_rank == (7, 0)
+    assert distkit.seed_everything(7) == 7 and seeding._per_rank is None
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 4294967295\], got -3"):
+        distkit.seed_everything(-3, per_rank=True)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Samples with a random 'augmentation' from each library: data streams made visible."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), *_draws()], dtype=torch.float64)
+
+
+def per_rank_run(seed: int, per_rank: bool) -> dict[str, object]:
+    """One rank's training-step draws and data, after seed_everything(seed, per_rank=per_rank)."""
+    try:
+        applied = distkit.seed_everything(seed, per_rank=per_rank)
+        dropout = torch.nn.functional.dropout(torch.ones(256), p=0.5)
+        library_draws = _draws()
+        # The samplers and loaders made next take their default seed from seed_everything: it
+        # must be the common seed on every rank (they also check, collectively, that it is).
+        indices = list(distkit.distributed_sampler(list(range(30))))
+        in_process = [b.clone() for b in distkit.distributed_dataloader(Augmented(), 3)]
+        in_workers = [
+            b.clone()
+            for b in distkit.distributed_dataloader(
+                Augmented(), 3, num_workers=2, multiprocessing_context=FORK
+            )
+        ]
+        # A DataLoader of the user's own with distkit.seed_worker: each rank's workers their own.
+        own = torch.utils.data.DataLoader(
+            Augmented(),
+            batch_size=3,
+            num_workers=2,
+            worker_init_fn=distkit.seed_worker,
+            generator=torch.Generator().manual_seed(seed),
+            multiprocessing_context=FORK,
+        )
+        own_draws = torch.cat(list(own))[:, 1:]
+        return {
+            "applied": applied,
+            "rank": distkit.get_rank(),
+            "dropout": dropout,
+            "draws": library_draws,
+            "indices": indices,
+            "in_process": in_process,
+            "in_workers": in_workers,
+            "own_workers": own_draws,
+            "loader_seed": seeding._default_loader_seed(),
+        }
+    finally:
+        # Pooled ranks serve other tests: leave no default loader seed or per-rank record behind.
+        seeding._loader_seed, seeding._per_rank = None, None
+
+
+def _batches_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_per_rank_gives_ranks_different_dropout_and_the_same_data_order_as_a_common_seed(
+    ranks,
+) -> None:
+    own = ranks.run(per_rank_run, 31, True, world_size=2)
+    common = ranks.run(per_rank_run, 31, False, world_size=2)
+    # Training-step randomness: one stream per rank with per_rank, one for all without.
+    assert not torch.equal(own[0]["dropout"], own[1]["dropout"])
+    assert own[0]["draws"] != own[1]["draws"]
+    assert torch.equal(common[0]["dropout"], common[1]["dropout"])
+    assert common[0]["draws"] == common[1]["draws"]
+    for rank in (0, 1):
+        # Rank r's generators were seeded with the documented derive_seed(seed, 5, r) % 2**32.
+        assert own[rank]["applied"] == derive_seed(31, 5, rank) % 2**32
+        assert common[rank]["applied"] == 31
+        torch.manual_seed(own[rank]["applied"])
+        assert torch.equal(torch.nn.functional.dropout(torch.ones(256), p=0.5), own[rank]["dropout"])
+        # Data: the common seed's order, batches and augmentations, with or without workers.
+        assert own[rank]["loader_seed"] == common[rank]["loader_seed"] == 31
+        assert own[rank]["indices"] == common[rank]["indices"]
+        assert _batches_equal(own[rank]["in_process"], common[rank]["in_process"])
+        assert _batches_equal(own[rank]["in_workers"], common[rank]["in_workers"])
+        # seed_worker on a loader seeded by the user: its own streams per rank, per_rank or not.
+        assert torch.equal(own[rank]["own_workers"], common[rank]["own_workers"])
+    # The ranks' shares are different samples, and their DataLoader workers draw different values.
+    assert set(own[0]["indices"]).isdisjoint(own[1]["indices"])
+    assert not torch.equal(own[0]["own_workers"], own[1]["own_workers"])
+    # A rerun with the same seed gives the same per-rank streams; another seed, others.
+    again = ranks.run(per_rank_run, 31, True, world_size=2)
+    for rank in (0, 1):
+        assert torch.equal(again[rank]["dropout"], own[rank]["dropout"])
+        assert again[rank]["draws"] == own[rank]["draws"]
+    other = ranks.run(per_rank_run, 32, True, world_size=2)
+    assert not torch.equal(other[0]["dropout"], own[0]["dropout"])
+
+
+def per_rank_resume(path: str) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """Save every rank's per-rank streams in a ResumeState, scramble them, load: the same draws."""
+    from distkit.checkpoint import ResumeState
+
+    try:
+        distkit.seed_everything(17, per_rank=True)
+        _draws()  # somewhere mid-run
+        state = ResumeState(epoch=1, global_step=5).state_dict()  # collective: every rank's RNG
+        if distkit.is_main_process():
+            torch.save(state, path)
+        distkit.barrier()
+        expected = _draws()
+        distkit.seed_everything(99)  # the restarted job seeds again before it resumes
+        restored = ResumeState()
+        restored.load_state_dict(torch.load(path, weights_only=True))
+        assert (restored.epoch, restored.global_step) == (1, 5)
+        return expected, _draws()
+    finally:
+        seeding._loader_seed, seeding._per_rank = None, None
+
+
+def test_per_rank_streams_round_trip_through_a_resume_state_checkpoint(ranks, tmp_path: Path) -> None:
+    results = ranks.run(per_rank_resume, str(tmp_path / "resume.pt"), world_size=2)
+    for expected, resumed in results:
+        assert resumed == expected
+    assert results[0][0] != results[1][0]  # each rank got back its own stream, not rank 0's
+
+
+def restored_process_draws(state: dict[str, object]) -> tuple[tuple[float, float, float], int]:
+    """What a process started by fit() draws first, given the launching process's seeding."""
+    try:
+        random.seed()  # a fresh interpreter's generators
+        np.random.seed()
+        torch.seed()
+        seeding._loader_seed = seeding._per_rank = None
+        seeding._restore_process_seeding(state)
+        return _draws(), seeding._default_loader_seed()
+    finally:
+        seeding._loader_seed, seeding._per_rank = None, None
+
+
+def seeded_draws(seed: int) -> tuple[tuple[float, float, float], int]:
+    """What a torchrun rank draws first after seed_everything(seed, per_rank=True)."""
+    try:
+        distkit.seed_everything(seed, per_rank=True)
+        return _draws(), seeding._default_loader_seed()
+    finally:
+        seeding._loader_seed, seeding._per_rank = None, None
+
+
+def test_self_launched_ranks_get_the_per_rank_streams_torchrun_ranks_get(isolated_rng, ranks) -> None:
+    # fit() outside a launcher pickles this process's seeding to the ranks it starts. This process
+    # is rank 0 of nothing: without care every rank would carry on rank 0's stream.
+    distkit.seed_everything(13, per_rank=True)
+    state = pickle.loads(pickle.dumps(seeding._capture_process_seeding()))
+    launched = ranks.run(restored_process_draws, state, world_size=2)
+    torchrun = ranks.run(seeded_draws, 13, world_size=2)
+    assert launched == torchrun
+    assert launched[0][0] != launched[1][0] and launched[0][1] == launched[1][1] == 13
+    # Draws between seeding and fit: rank 0 continues this process's stream exactly, and rank 1
+    # starts its own from its per-rank seed (those draws cannot be replayed on another stream).
+    _draws()
+    state = pickle.loads(pickle.dumps(seeding._capture_process_seeding()))
+    expected_rank0 = _draws()
+    launched = ranks.run(restored_process_draws, state, world_size=2)
+    assert launched[0][0] == expected_rank0
+    assert launched[1] == torchrun[1]

@@ -40,6 +40,7 @@ _STREAM_WORKER = 1
 _STREAM_BATCH = 2
 _STREAM_LOADER = 3
 _STREAM_REST_BATCH = 4  # a batch of the rest of an epoch resumed on another number of ranks
+_STREAM_RANK = 5  # rank r's own generators under seed_everything(seed, per_rank=True)
 
 # Per-library sub-keys: python's `random` and numpy both use MT19937 seeded through init_by_array,
 # so one integer would give them the same sequence; each library gets its own derived seed.
@@ -49,6 +50,10 @@ _PYTHON, _NUMPY, _TORCH = 0, 1, 2
 # afterwards in this process. A module global, not an environment variable, so it never leaks into
 # child processes or other jobs.
 _loader_seed: int | None = None
+# (seed, rank) of the last seed_everything(seed, per_rank=True) in this process, else None: what a
+# process started by fit() needs to give each of its ranks its own streams (see
+# _restore_process_seeding).
+_per_rank: tuple[int, int] | None = None
 
 
 def _splitmix64(x: int) -> int:
@@ -174,7 +179,27 @@ def _check_seed(seed: object, *, name: str = "seed", limit: int = _MASK64) -> in
     return seed
 
 
-def seed_everything(seed: int, *, workers: bool = True, deterministic: bool = False) -> int:
+def _rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s generators under ``seed_everything(seed, per_rank=True)``. Local.
+
+    ``derive_seed(seed, 5, rank) % 2**32``: a 32-bit value, so numpy's scalar seeding takes it as
+    python and torch do.
+    """
+    return derive_seed(seed, _STREAM_RANK, rank) & _MAX_SEED
+
+
+def _seed_generators(seed: int) -> None:
+    """``random.seed``, ``numpy.random.seed`` (when installed) and ``torch.manual_seed``. Local."""
+    random.seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device (lazily, without initialising CUDA)
+
+
+def seed_everything(
+    seed: int, *, workers: bool = True, deterministic: bool = False, per_rank: bool = False
+) -> int:
     """Seed python's ``random``, numpy (when installed) and torch on the CPU and every CUDA device.
 
     Local: no communication. Call it on every rank with the same seed: ranks then start from the
@@ -185,18 +210,33 @@ def seed_everything(seed: int, *, workers: bool = True, deterministic: bool = Fa
     is, so code seeded by hand with the same number draws the same values. No environment variable
     is read or written (``deterministic=True`` aside, see below).
 
+    With ``per_rank=True`` (nanoGPT's ``seed + rank``, done without its pitfalls) each rank's
+    generators get their own seed, so dropout and other draws in the training step differ across
+    ranks, while the data order stays that of the common ``seed`` on every rank. Rank ``r`` calls
+    the three seeding functions above with ``derive_seed(seed, 5, r) % 2**32`` instead of ``seed``
+    (a hash rather than ``seed + r``: with ``seed + r``, rank 1 of a run with seed 42 draws what rank
+    0 of a run with seed 43 draws, so a seed sweep reuses streams, and ``seed + r`` can exceed
+    numpy's limit). The rank is the launcher's (``RANK``), so it may be called before
+    :func:`distkit.init`; without a launcher it is 0. Ranks then also initialise models
+    differently: build the model before calling it (as ``Trainer`` does), or rely on DDP, which
+    copies rank 0's weights to every rank; FSDP does not.
+
     Args:
         seed: An int in ``[0, 2**32 - 1]`` (numpy's limit for a scalar seed).
         workers: Make ``seed`` the default seed of distkit loaders and samplers made afterwards in
             this process (their shuffling and their worker and per-batch streams). With ``False``
             they keep their own default, 0, so the data order stays fixed while the model seed varies.
+            Under ``per_rank=True`` too, the loaders' default is the common ``seed``, never the rank's.
         deterministic: Also call ``torch.use_deterministic_algorithms(True)``, set
             ``torch.backends.cudnn.deterministic = True`` and ``cudnn.benchmark = False``, and set
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless already set (cuBLAS reads only that variable;
             torch documents it as required for deterministic cuBLAS). ``False`` changes none of these.
+        per_rank: Give each rank's generators their own seed, derived from ``(seed, rank)`` as
+            above. ``False``: every rank gets ``seed`` itself.
 
     Returns:
-        ``seed``.
+        The seed given to this process's generators: ``seed``, or with ``per_rank=True`` this rank's
+        derived seed.
 
     Raises:
         TypeError: ``seed`` is not an int.
@@ -208,21 +248,30 @@ def seed_everything(seed: int, *, workers: bool = True, deterministic: bool = Fa
         7
         >>> a = torch.rand(1); _ = torch.manual_seed(7); bool(torch.rand(1) == a)
         True
+        >>> from distkit.seeding import derive_seed
+        >>> distkit.seed_everything(7, per_rank=True) == derive_seed(7, 5, distkit.get_rank()) % 2**32
+        True
     """
-    global _loader_seed
+    global _loader_seed, _per_rank
     _check_seed(seed, limit=_MAX_SEED)
-    random.seed(seed)
-    np = _numpy()
-    if np is not None:
-        np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device (lazily, without initialising CUDA)
+    if per_rank:
+        from distkit.runtime import get_rank  # as in seed_worker: imported only when a rank is needed
+
+        rank = get_rank()
+        applied = _rank_seed(seed, rank)
+        _per_rank = (seed, rank)
+    else:
+        applied = seed
+        _per_rank = None
+    _seed_generators(applied)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+    # The common seed, per_rank or not: data order and data streams never depend on the rank's seed.
     _loader_seed = seed if workers else None
-    return seed
+    return applied
 
 
 def _default_loader_seed() -> int:
@@ -238,8 +287,10 @@ def _capture_process_seeding() -> dict[str, Any]:
     settings; a ``torchrun`` rank running the same script instead has whatever the script set up and
     drew before that point. This is that state: every RNG state (:func:`capture_rng_state`), the
     default loader seed of :func:`seed_everything`, and the determinism switches it sets. Nothing
-    here depends on the rank: every rank of a torchrun job seeded alike and drew alike. Tensors and
-    plain data, so it pickles.
+    here depends on the rank: every rank of a torchrun job seeded alike and drew alike, except after
+    ``seed_everything(seed, per_rank=True)``, whose ``(seed, rank)`` is kept for
+    :func:`_restore_process_seeding` to give the other ranks their own streams. Tensors and plain
+    data, so it pickles.
     """
     return {
         "rng": capture_rng_state(),
@@ -252,6 +303,7 @@ def _capture_process_seeding() -> dict[str, Any]:
             torch.is_deterministic_algorithms_warn_only_enabled(),
         ),
         "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+        "per_rank": _per_rank,
     }
 
 
@@ -259,13 +311,30 @@ def _restore_process_seeding(state: dict[str, Any]) -> None:
     """Make this (spawned) process's seeding what :func:`_capture_process_seeding` captured. Local.
 
     Touches no CUDA device: CUDA generator states and seeds are queued until CUDA initialises.
+
+    After ``seed_everything(seed, per_rank=True)`` in the launching process (rank 0 there, having no
+    launcher), the rank it was seeded as continues its generators exactly, and every other rank
+    starts from its own per-rank seed, as its ``seed_everything`` call would have left it under
+    torchrun: the same streams as torchrun's when the script draws nothing between that call and
+    ``fit`` (the usual order: model built first, then seeded), distinct per rank in any case.
     """
-    global _loader_seed
+    global _loader_seed, _per_rank
     restore_rng_state(state["rng"])
     if "cuda" not in state["rng"] and not torch.cuda._is_in_bad_fork():
         # As torch.manual_seed does: lazily, so the worker picks its device first.
         torch.cuda.manual_seed_all(state["torch_initial_seed"])
     _loader_seed = state["loader_seed"]
+    _per_rank = state.get("per_rank")  # absent from a state captured by an older distkit
+    if _per_rank is not None:
+        from distkit.runtime import get_rank
+
+        seed, seeded_rank = _per_rank
+        rank = get_rank()
+        if rank != seeded_rank:
+            # The draws the launching process made since seeding cannot be replayed on another
+            # rank's stream; this rank starts its stream where seed_everything would have put it.
+            _seed_generators(_rank_seed(seed, rank))
+            _per_rank = (seed, rank)
     enabled, warn_only = state["deterministic"]
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = state["cudnn"]
