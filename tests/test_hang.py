@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import distkit
+import distkit.trainer._evaluate as evaluate_module
+import distkit.trainer._loop as loop_module
 import distkit.trainer.trainer as trainer_module
 import hang_scenarios as scenarios
 from distkit import HANG_EXIT_CODE
@@ -53,8 +56,8 @@ def _at(marker: str) -> str:
     return f"{SCENARIOS}:{line_of(marker)}"
 
 
-def _trainer_at(text: str, *, after: str = "") -> str:
-    return f"distkit/trainer/trainer.py:{_line_in(trainer_module.__file__, text, after=after)}"
+def _trainer_at(text: str, *, after: str = "", module: Any = trainer_module) -> str:
+    return f"distkit/trainer/{Path(module.__file__).name}:{_line_in(module.__file__, text, after=after)}"
 
 
 def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], str, str]]:
@@ -86,7 +89,7 @@ def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], st
             ],
         }
     else:
-        backward = _trainer_at("precision.backward(scaled)")
+        backward = _trainer_at("precision.backward(scaled)", module=loop_module)
         table = {
             "barrier_on_rank_0": [
                 ([0], "waiting in distkit.barrier", _at("trainer_barrier_on_rank_0")),
@@ -105,7 +108,7 @@ def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], st
                 (
                     rest0,
                     "waiting in distkit.reduce_metrics",
-                    _trainer_at("reduce_metrics(local)", after="def _end_epoch"),
+                    _trainer_at("reduce_metrics(local)", after="def end_epoch", module=evaluate_module),
                 ),
             ],
             "different_order": [

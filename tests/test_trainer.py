@@ -973,7 +973,7 @@ def test_startup_report_is_printed_once_by_the_main_process(ranks, tmp_path) -> 
         "backend        gloo",
         "precision      32",
         "batch size     16 per rank, 64 effective (16 x 2 ranks x 2 accumulated)",
-        "learning rate  0.0003 (Adam)",
+        "learning rate  0.0003 base (Adam)",
     ):
         assert line in main, line
 

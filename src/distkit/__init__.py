@@ -115,12 +115,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         FSDPStrategy as FSDPStrategy,
         LearningRateMonitor as LearningRateMonitor,
         Logger as Logger,
+        MLflowLogger as MLflowLogger,
         ModelCheckpoint as ModelCheckpoint,
+        ProgressLog as ProgressLog,
         TensorBoardLogger as TensorBoardLogger,
         ThroughputMonitor as ThroughputMonitor,
         Trainer as Trainer,
+        WandbLogger as WandbLogger,
         accuracy as accuracy,
+        warmup_schedule as warmup_schedule,
     )
+    from distkit.trainer.config_cli import TrainerCLI as TrainerCLI
 
 
 # Every public name loads on first use: `import distkit` itself imports nothing heavy (not even
@@ -207,13 +212,18 @@ _LAZY: dict[str, str] = {
     "FSDPStrategy": "distkit.trainer",
     "shard_model": "distkit.sharding",
     "ModelCheckpoint": "distkit.trainer",
+    "ProgressLog": "distkit.trainer",
     "EarlyStopping": "distkit.trainer",
     "LearningRateMonitor": "distkit.trainer",
     "ThroughputMonitor": "distkit.trainer",
     "Logger": "distkit.trainer",
     "CSVLogger": "distkit.trainer",
     "TensorBoardLogger": "distkit.trainer",
+    "MLflowLogger": "distkit.trainer",
+    "WandbLogger": "distkit.trainer",
     "accuracy": "distkit.trainer",
+    "warmup_schedule": "distkit.trainer",
+    "TrainerCLI": "distkit.trainer.config_cli",
 }
 
 

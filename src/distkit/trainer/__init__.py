@@ -17,7 +17,10 @@ from distkit.trainer.callbacks import (
 )
 from distkit.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from distkit.trainer.metrics import accuracy
+from distkit.trainer.progress import ProgressLog
+from distkit.trainer.schedules import warmup_schedule
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
+from distkit.trainer.tracking import MLflowLogger, WandbLogger
 from distkit.trainer.trainer import Trainer
 
 __all__ = [
@@ -28,9 +31,13 @@ __all__ = [
     "FSDPStrategy",
     "LearningRateMonitor",
     "Logger",
+    "MLflowLogger",
     "ModelCheckpoint",
+    "ProgressLog",
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Trainer",
+    "WandbLogger",
     "accuracy",
+    "warmup_schedule",
 ]

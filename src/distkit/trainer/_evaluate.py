@@ -1,22 +1,21 @@
-"""Validation: exact metrics over every validation sample once, on the unwrapped module."""
+"""Validation: exact metrics over every validation sample once, on the unwrapped module, every
+``val_check_interval`` optimizer steps and at the end of an epoch."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from distkit import runtime
-from distkit.collectives import all_reduce
+from distkit.collectives import all_reduce, any_rank, reduce_metrics
 from distkit.errors import DistkitError
-from distkit.trainer._step import (
-    _batch_size,
-    _metric_value,
-    _split_batch,
-    _to_device,
-)
+from distkit.trainer import _logs, _model_io
+from distkit.trainer._step import _batch_size, _metric_value, _to_device
+from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer
@@ -26,13 +25,42 @@ __all__: list[str] = []
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
-@torch.no_grad()
 def validate(trainer: Trainer) -> dict[str, tuple[Any, float]]:
     """Validation sums and counts of every metric on this rank (reduced by the caller). Collective
     under FSDP (see :func:`lockstep_repeats`)."""
     module, device, precision = trainer.model, trainer.device, trainer._precision
     assert module is not None and device is not None and precision is not None
-    module.eval()
+    strategy = trainer._strategy
+    assert strategy is not None
+    sums = evaluate(
+        module,
+        trainer._val_loader,
+        device=device,
+        precision=precision,
+        loss_fn=trainer._loss_fn,
+        metric_fns=trainer._metric_fns,
+        lockstep=strategy.lockstep_forward,
+        prefix="val",
+    )
+    strategy.after_evaluation(module)
+    return sums
+
+
+@torch.no_grad()
+def evaluate(
+    module: nn.Module,
+    loader: Iterable[Any],
+    *,
+    device: torch.device,
+    precision: Precision,
+    loss_fn: Callable[..., Any] | None,
+    metric_fns: Mapping[str, Callable[..., Any]],
+    lockstep: bool,
+    prefix: str,
+) -> dict[str, tuple[Any, float]]:
+    """This rank's sums and counts of every metric over ``loader`` (``<prefix>_loss`` and
+    ``<prefix>_<name>``; a ``validation_step``'s or ``test_step``'s own names). Collective when
+    ``lockstep`` (a sharded module: see :func:`lockstep_repeats`), else local."""
     sums: dict[str, list[Any]] = {}
 
     def add(name: str, value: Any, size: int) -> None:
@@ -41,49 +69,71 @@ def validate(trainer: Trainer) -> dict[str, tuple[Any, float]]:
         entry[0] = entry[0] + total
         entry[1] += count
 
-    validation_step = getattr(module, "validation_step", None)
+    step_fn = getattr(module, f"{prefix}_step", None) if prefix == "test" else None
+    step_fn = step_fn if callable(step_fn) else getattr(module, "validation_step", None)
+    convention = None if callable(step_fn) else _model_io.convention(module, loss_fn)
+    if convention == "training_step":
+        return {}  # a training_step without a validation_step: nothing to measure
+    was_training = module.training
+    module.eval()
+    target_name = _model_io.target_parameter(module)
     # Validation runs on the unwrapped module: DDP's forward may broadcast buffers (a collective)
     # and evaluation shards may differ in length by a batch. A sharded module's forward is
     # collective (it gathers the parameters): a rank short of a batch repeats its last one.
-    repeats = lockstep_repeats(trainer) if trainer._strategy.lockstep_forward else 0  # type: ignore[union-attr]
-    batches: Iterable[tuple[int, Any]] = enumerate(trainer._val_loader)
+    repeats = lockstep_repeats(loader) if lockstep else 0
+    batches: Iterable[tuple[int, Any]] = enumerate(loader)
     if repeats:
         batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
     last: Any = None
     for batch_idx, batch in batches:
         if batch_idx < 0:  # a repeat: the forward pass only, its results dropped
             with precision.autocast():
-                if callable(validation_step):
-                    validation_step(last, 0)
+                if callable(step_fn):
+                    step_fn(last, 0)
+                elif convention == "model_loss":
+                    _model_io.call_with_target(module, last, target_name)
                 else:
-                    module(_split_batch(last)[0])
+                    module(_model_io.split_batch(last)[0])
             continue
         batch = last = _to_device(batch, device)
         with precision.autocast():
-            if callable(validation_step):
-                out = validation_step(batch, batch_idx)
+            if callable(step_fn):
+                out = step_fn(batch, batch_idx)
                 if not isinstance(out, Mapping):
                     raise TypeError(
-                        f"validation_step() must return a dict of metrics, got {type(out).__name__}."
+                        f"{step_fn.__name__}() must return a dict of metrics, got {type(out).__name__}."
                     )
                 size = _batch_size(batch)
                 for name, value in out.items():
                     add(name, value, size)
-            elif trainer._loss_fn is not None:
-                inputs, target = _split_batch(batch)
+                continue
+            if convention == "model_loss":
+                output = _model_io.call_with_target(module, batch, target_name)
+                loss = _model_io.loss_of(output, module)
+                output = _model_io.logits_of(output)
+                pair = not isinstance(batch, Mapping)
+                target = _model_io.split_batch(batch)[1] if pair else batch.get("labels")
+            else:
+                inputs, target = _model_io.split_batch(batch)
                 output = module(inputs)
-                size = _batch_size(target)
-                add("val_loss", trainer._loss_fn(output, target), size)
-                for name, fn in trainer._metric_fns.items():
-                    add(f"val_{name}", fn(output, target), size)
-    module.train()
-    trainer._strategy.after_evaluation(module)  # type: ignore[union-attr]
+                loss = loss_fn(output, target)  # type: ignore[misc]
+            size = _batch_size(batch)
+            add(f"{prefix}_loss", loss, size)
+            for name, fn in metric_fns.items():
+                if output is None or target is None:
+                    raise DistkitError(
+                        f"metric {name!r} needs the model's output and the target, but the model "
+                        f"returned no logits beside its loss (a tuple (logits, loss), or "
+                        f"output['logits']); compute it in a validation_step instead."
+                    )
+                add(f"{prefix}_{name}", fn(output, target), size)
+    module.train(was_training)
     return {name: (total, count) for name, (total, count) in sums.items()}
 
 
-def lockstep_repeats(trainer: Trainer) -> int:
-    """Forward passes this rank adds to its validation so every rank runs as many. Collective."""
-    mine = len(trainer._val_loader)
+def lockstep_repeats(loader: Any) -> int:
+    """Forward passes this rank adds to its evaluation so every rank runs as many. Collective."""
+    mine = len(loader)
     most, negated_least = all_reduce(torch.tensor([mine, -mine]), op="max").tolist()
     if -negated_least == 0 < most:
         raise DistkitError(
@@ -93,3 +143,51 @@ def lockstep_repeats(trainer: Trainer) -> int:
             f"val_batch_size."
         )
     return int(most - mine)
+
+
+def validate_now(trainer: Trainer) -> dict[str, float]:
+    """Validation every ``val_check_interval`` optimizer steps, mid-epoch: one collective for its
+    metrics, then ``on_validation_end`` and the loggers. Collective.
+
+    It runs before the step's ``on_train_step_end`` callbacks, so that a checkpoint of this step
+    is saved after it: whatever validation draws from the random generators (a DataLoader's
+    iterator takes a seed from the global one) is then in the saved state, and a run resumed
+    from that checkpoint goes on exactly as the uninterrupted one.
+    """
+    metrics = reduce_metrics(validate(trainer))
+    trainer._last_validation = (trainer.global_step, dict(metrics))
+    trainer.callback_metrics.update(metrics)
+    for cb in trainer._active_callbacks:
+        cb.on_validation_end(trainer, metrics)
+    _logs.write(trainer, metrics)
+    return metrics
+
+
+def end_epoch(trainer: Trainer) -> None:
+    """Validate (unless it was done at this very step), reduce the epoch's metrics in one
+    collective, run the epoch-end hooks, and agree on stopping."""
+    every = trainer.check_val_every_n_epoch
+    due = trainer._val_loader is not None and every is not None and (trainer.current_epoch + 1) % every == 0
+    done_at, done_metrics = trainer._last_validation
+    already = due and done_at == trainer.global_step
+    local = validate(trainer) if due and not already else {}
+    local["train_loss_epoch"] = (trainer._epoch_sum, float(trainer._epoch_count))
+    # The epoch end's one collective for metrics: the training loss and every validation sum
+    # and count at once.
+    metrics = reduce_metrics(local)
+    metrics["epoch"] = float(trainer.current_epoch)
+    if already:
+        # Validated mid-epoch at this step (val_check_interval): the epoch's metrics carry it.
+        metrics = {**done_metrics, **metrics}
+    trainer.callback_metrics.update(metrics)
+    if due and not already:
+        trainer._last_validation = (trainer.global_step, dict(metrics))
+        for cb in trainer._active_callbacks:
+            cb.on_validation_end(trainer, metrics)
+    _logs.write(trainer, metrics)
+    if trainer.lr_scheduler is not None and trainer._scheduler_interval == "epoch":
+        trainer.lr_scheduler.step()
+    for cb in trainer._active_callbacks:
+        cb.on_train_epoch_end(trainer, metrics)
+    # Built-in callbacks decide from identical metrics, a user's callback may not: agree once.
+    trainer._should_stop = any_rank(trainer._should_stop)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distkit import runtime
+from distkit._secrets import redact_url
 from distkit.collectives import all_reduce, reduce_metrics
 
 if TYPE_CHECKING:
@@ -84,3 +85,21 @@ def write(trainer: Trainer, metrics: Mapping[str, float]) -> None:
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.log_metrics(metrics, trainer.global_step)
+
+
+def log_final_checkpoint(trainer: Trainer) -> None:
+    """Hand the run's last checkpoint to the loggers' ``log_checkpoint`` (main process only).
+
+    Local. Called once the callbacks' ``on_fit_end`` has run: ``ModelCheckpoint`` has then waited
+    for a save in flight, so the checkpoint is committed. Nothing when no checkpoint was saved or
+    restored (a fresh fit's ``on_fit_start`` leaves the last saved step at 0, and no save is at 0).
+    """
+    checkpoint = trainer._checkpoint_callback()
+    if not runtime.is_main_process() or checkpoint is None or checkpoint.manager is None:
+        return
+    step = checkpoint._last_saved_step
+    if not step:
+        return
+    path = redact_url(str(checkpoint.manager.path_for(step)))
+    for logger in trainer.loggers:
+        logger.log_checkpoint(path, step)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from distkit import runtime
 from distkit._secrets import redact_url
+from distkit.trainer import _run_config, schedules
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def hyperparams(trainer: Trainer) -> dict[str, Any]:
     """What the loggers record as the run's hyperparameters. Local."""
     plan, optimizer = trainer._plan, trainer.optimizer
     assert plan is not None and optimizer is not None
-    return {
+    derived = {
         "strategy": plan.kind,
         "device": str(trainer.device),
         "world_size": trainer.world_size,
@@ -38,6 +39,8 @@ def hyperparams(trainer: Trainer) -> dict[str, Any]:
         "optimizer": type(optimizer).__name__,
         "lr": [group["lr"] for group in optimizer.param_groups],
     }
+    # With a TrainerCLI config: the whole of it, these derived values under "run" (docs/config.md).
+    return _run_config.hyperparams(trainer, derived)
 
 
 def report(trainer: Trainer, resumed_from: int | None) -> str:
@@ -59,7 +62,6 @@ def report(trainer: Trainer, resumed_from: int | None) -> str:
         if changed:
             kind += " (" + ", ".join(f"{k}={_shown(v)}" for k, v in changed.items()) + ")"
     unit = "GPU" if plan.kind == "dp" else "rank"
-    lrs = sorted({group["lr"] for group in optimizer.param_groups})
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines = [
@@ -72,11 +74,11 @@ def report(trainer: Trainer, resumed_from: int | None) -> str:
         f"  batch size     {trainer._per_replica_batch} per {unit}, {trainer.effective_batch_size} effective "
         f"({trainer._per_replica_batch} x {trainer._replicas} {unit}s x {trainer.accumulate_grad_batches} "
         f"accumulated)",
-        f"  learning rate  {', '.join(f'{lr:g}' for lr in lrs)} ({type(optimizer).__name__})",
+        f"  learning rate  {schedules.describe(trainer)}",
         f"  model          {trainer._model_class.__name__}: {n_params:,} parameters "
         f"({n_trainable:,} trainable)",
-        f"  schedule       {trainer.steps_per_epoch} steps per epoch; max_epochs={trainer.max_epochs}, "
-        f"max_steps={trainer.max_steps}",
+        f"  schedule       {trainer.steps_per_epoch} steps per epoch, {trainer.total_steps} in all; "
+        f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}",
     ]
     checkpoint = trainer._checkpoint_callback()
     if checkpoint is not None:

@@ -3,7 +3,8 @@ scheduler, loaders, callbacks, the checkpoint directory's claim and the resume."
 
 from __future__ import annotations
 
-import sys
+import inspect
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from distkit._secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.seeding import seed_everything
-from distkit.trainer import _report
+from distkit.trainer import _report, _run_config, schedules
 from distkit.trainer._state import (
     _is_inside,
     _rebind,
@@ -23,8 +24,10 @@ from distkit.trainer._state import (
 )
 from distkit.trainer._step import _StepModule
 from distkit.trainer._strategy import make_strategy
-from distkit.trainer.callbacks import Callback, ModelCheckpoint, _ProgressBar
+from distkit.trainer.callbacks import Callback, ModelCheckpoint
+from distkit.trainer.loggers import CSVLogger, Logger
 from distkit.trainer.precision import Precision
+from distkit.trainer.progress import _default_progress, _ProgressBar
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer
@@ -49,11 +52,13 @@ def setup(
         # included: the checkpoint claim, the resume's gathers).
         trainer._restore_hang = runtime._watch_fit(trainer, trainer.hang_timeout_s, trainer.default_root_dir)
     trainer.world_size = runtime.get_world_size()
+    # Before DDP compares the parameters' shapes: every rank parsed the same TrainerCLI config.
+    _run_config.check_ranks_agree(trainer)
     trainer.device = plan.device()
     if trainer.seed is not None:
         # workers=False: the Trainer hands the seed to its own loaders; the process-wide default
         # seed of loaders made elsewhere stays as it was.
-        seed_everything(trainer.seed, workers=False)
+        seed_everything(trainer.seed, workers=False, per_rank=trainer.seed_per_rank)
 
     trainer.model = model
     trainer._model_class = type(model)  # FSDP changes the class (MLP becomes FSDPMLP)
@@ -66,7 +71,6 @@ def setup(
     trainer._step_module = _StepModule(model, trainer._loss_fn, per_device=plan.kind == "dp")
     trainer._wrapped = strategy.wrap(trainer._step_module, trainer.device)
     trainer.optimizer = make_optimizer(trainer, model, optimizer, names)
-    trainer.lr_scheduler = make_scheduler(trainer, lr_scheduler)
     trainer._params = [p for p in model.parameters() if p.requires_grad]
     # Gradients the optimizer clears every step (a frozen-but-grad parameter outside it would
     # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
@@ -99,15 +103,27 @@ def setup(
     trainer._num_batches = len(trainer._train_loader)
     if trainer._num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
+    # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
+    schedules.apply_scaling(trainer)
+    trainer.lr_scheduler = make_scheduler(trainer, lr_scheduler)
 
     trainer._active_callbacks = list(trainer.callbacks)
-    if progress_bar_wanted(trainer):
-        trainer._active_callbacks.insert(0, _ProgressBar())
+
+    # A tqdm bar in a terminal, plain lines (ProgressLog) in a log file; main process only.
+    progress = _default_progress(trainer.enable_progress_bar, trainer.callbacks)
+    if progress is not None and runtime.is_main_process():
+        trainer._active_callbacks.insert(0, progress)
     checkpoint = trainer._checkpoint_callback()
     if checkpoint is not None:
         checkpoint.setup(trainer)
         claim(trainer, checkpoint)
+    # A TrainerCLI run's config: the same on every rank, and a resume of a changed model refused
+    # before its checkpoint is loaded; then saved beside the checkpoints (docs/config.md).
+    _run_config.check_resume(trainer)
     resumed_from = restore(trainer)
+    _run_config.save(trainer, resumed_from)
+    if resumed_from is not None:
+        schedules.rescale_after_restore(trainer)
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.setup(trainer.default_root_dir, resumed_from)
@@ -118,6 +134,34 @@ def setup(
     ]
     for cb in trainer._active_callbacks:
         cb.on_fit_start(trainer)
+
+
+def on_failure(trainer: Trainer, err: BaseException) -> None:
+    """What a failed ``fit`` does before its error goes on."""
+    # A collective that failed because a rank is gone: with the hang doctor on, one report of
+    # where every rank is, and every rank exits (docs/debugging.md); else it goes on.
+    runtime._on_collective_failure(err)
+    # A failed fit lets go of the checkpoint directory now, without waiting on ranks that may be
+    # gone (a successful one closes it in ModelCheckpoint.on_fit_end).
+    checkpoint = trainer._checkpoint_callback()
+    if checkpoint is not None and checkpoint.manager is not None:
+        checkpoint.manager.__exit__(type(err), err, err.__traceback__)
+
+
+def teardown(trainer: Trainer, model: nn.Module) -> None:
+    """What every ``fit`` undoes at its end, also when it fails: the strategy's wrapping, the hang
+    doctor's settings, the progress bar, and the loggers (finalised on the main process)."""
+    if trainer._strategy is not None:
+        trainer._strategy.teardown(model)
+    if trainer._restore_hang is not None:
+        trainer._restore_hang()
+        trainer._restore_hang = None
+    for cb in trainer._active_callbacks:
+        if isinstance(cb, _ProgressBar):
+            cb.close()
+    if runtime.is_main_process():
+        for logger in trainer.loggers:
+            logger.finalize()
 
 
 def makes_loader(data: Any) -> bool:
@@ -161,7 +205,9 @@ def make_scheduler(trainer: Trainer, lr_scheduler: Any) -> Any:
             raise TypeError(
                 f"lr_scheduler must be a scheduler or a function of the optimizer, got {lr_scheduler!r}."
             )
-        lr_scheduler = lr_scheduler(trainer.optimizer)
+        lr_scheduler = lr_scheduler(
+            *((trainer.optimizer, trainer) if _takes_trainer(lr_scheduler) else (trainer.optimizer,))
+        )
     if getattr(lr_scheduler, "optimizer", trainer.optimizer) is not trainer.optimizer:
         raise ValueError(
             "lr_scheduler belongs to another optimizer than the one given to fit(); make it from that "
@@ -169,6 +215,20 @@ def make_scheduler(trainer: Trainer, lr_scheduler: Any) -> Any:
         )
     _track_optimizer_steps(lr_scheduler)
     return lr_scheduler
+
+
+def _takes_trainer(factory: Any) -> bool:
+    """Whether a scheduler factory takes ``(optimizer, trainer)`` rather than ``(optimizer)``."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: bool) -> Any:
@@ -195,21 +255,6 @@ def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: boo
             trainer.world_size,
         )
     return data
-
-
-def progress_bar_wanted(trainer: Trainer) -> bool:
-    """Whether this process shows the tqdm bar. Local."""
-    if not runtime.is_main_process() or trainer.enable_progress_bar is False:
-        return False
-    try:
-        import tqdm  # noqa: F401
-    except ImportError:
-        if trainer.enable_progress_bar:
-            raise ImportError(
-                "enable_progress_bar=True needs tqdm: pip install 'distkit[progress]'."
-            ) from None
-        return False
-    return bool(trainer.enable_progress_bar or sys.stderr.isatty())
 
 
 def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
@@ -280,6 +325,52 @@ def restore(trainer: Trainer) -> int | None:
     return trainer.global_step
 
 
+def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
+    """The Trainer's callbacks: checked, a default :class:`ModelCheckpoint` added when wanted, and
+    checkpoints last (what they save includes the other callbacks' state after their hooks)."""
+    given = list(callbacks or [])
+    for cb in given:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks must be distkit.Callback objects, got {type(cb).__name__}.")
+    if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in given):
+        given.append(ModelCheckpoint())
+    return [cb for cb in given if not isinstance(cb, ModelCheckpoint)] + [
+        cb for cb in given if isinstance(cb, ModelCheckpoint)
+    ]
+
+
+def logger_list(logger: Any) -> list[Logger]:
+    """The Trainer's loggers from its ``logger`` argument: ``True`` is one :class:`CSVLogger`."""
+    if logger is True:
+        return [CSVLogger()]
+    if logger is False or logger is None:
+        return []
+    loggers = [logger] if isinstance(logger, Logger) else list(logger)
+    for item in loggers:
+        if not isinstance(item, Logger):
+            raise TypeError(f"logger must be True, False or Logger objects, got {type(item).__name__}.")
+    return loggers
+
+
+def check_run_options(
+    *, scale_lr: Any, base_batch_size: Any, seed: Any, seed_per_rank: Any, resume: Any
+) -> None:
+    """Validate the Trainer's learning-rate scaling, seeding and resume options. Local."""
+    if scale_lr not in (None, "linear", "sqrt"):
+        raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None, got {scale_lr!r}.")
+    if (scale_lr is None) != (base_batch_size is None):
+        raise ValueError(
+            "scale_lr and base_batch_size go together: scale_lr='linear' scales the learning rates "
+            "from the effective batch size they were tuned for, base_batch_size=..."
+        )
+    if base_batch_size is not None and (isinstance(base_batch_size, bool) or base_batch_size < 1):
+        raise ValueError(f"base_batch_size must be an int >= 1, got {base_batch_size!r}.")
+    if seed_per_rank and seed is None:
+        raise ValueError("seed_per_rank=True derives each rank's streams from seed: pass seed=... too.")
+    if resume is not None and not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(f"resume must be 'auto', a checkpoint path or None, got {resume!r}.")
+
+
 def check_options(
     strategy: Any,
     precision: str,
@@ -292,6 +383,7 @@ def check_options(
     accumulate_grad_batches: Any,
     log_every_n_steps: Any,
     check_val_every_n_epoch: Any,
+    val_check_interval: Any,
     max_consecutive_nonfinite: Any,
     gradient_clip_val: Any,
     gradient_clip_algorithm: Any,
@@ -308,7 +400,8 @@ def check_options(
         ("num_workers", num_workers, 0, False),
         ("accumulate_grad_batches", accumulate_grad_batches, 1, False),
         ("log_every_n_steps", log_every_n_steps, 1, False),
-        ("check_val_every_n_epoch", check_val_every_n_epoch, 1, False),
+        ("check_val_every_n_epoch", check_val_every_n_epoch, 1, True),
+        ("val_check_interval", val_check_interval, 1, True),
         ("max_consecutive_nonfinite", max_consecutive_nonfinite, 1, False),
     ):
         if value is None and optional:

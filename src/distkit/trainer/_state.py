@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
+from distkit.checkpoint import ResumeState
 from distkit.collectives import all_gather_object
 from distkit.trainer import _logs
 from distkit.trainer.callbacks import Callback
@@ -189,3 +190,91 @@ def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
         return path.rstrip("/").startswith(directory.rstrip("/") + "/")
     real_path, real_dir = os.path.realpath(path), os.path.realpath(directory)
     return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """What :meth:`Trainer.checkpoint_state` returns (its docstring tells the contract)."""
+    if trainer._epoch_finished:
+        epoch, batches = trainer.current_epoch + 1, 0
+    else:
+        epoch, batches = trainer.current_epoch, trainer._batches_done
+    state: dict[str, Any] = {
+        "model": trainer.model,
+        "optimizer": trainer.optimizer,
+        "progress": ResumeState(epoch=epoch, global_step=trainer.global_step, batches_in_epoch=batches),
+        "counters": _Counters(trainer),
+        "callbacks": _CallbackStates(trainer.callbacks),
+    }
+    if trainer.lr_scheduler is not None:
+        state["lr_scheduler"] = trainer.lr_scheduler
+    if trainer._precision is not None and trainer._precision.scaler is not None:
+        state["scaler"] = trainer._precision.scaler
+    if callable(getattr(trainer._train_loader, "state_dict", None)):
+        loader = trainer._train_loader
+        state["train_loader"] = _GivenBack(loader, trainer._given_back) if trainer._given_back else loader
+    return state
+
+
+def reset_run_state(trainer: Trainer) -> None:
+    """Set what one ``fit`` sets up and uses (none of it is configuration), before set-up. Local."""
+    trainer._should_stop = False
+    trainer._plan = None
+    trainer._strategy = None
+    trainer._model_class = nn.Module
+    trainer._step_module = None
+    trainer._wrapped = None
+    trainer._precision = None
+    trainer._train_loader = None
+    trainer._val_loader = None
+    trainer._loss_fn = None
+    trainer._metric_fns = {}
+    trainer._scheduler_interval = "step"
+    trainer._active_callbacks = []
+    # The callbacks that override on_train_step_end, called every step.
+    trainer._step_end_callbacks = []
+    # Batches per epoch on this rank, samples per loader batch, and data-parallel replicas
+    # (ranks, or GPUs under DP) for the effective batch size.
+    trainer._num_batches = 0
+    trainer._per_replica_batch = trainer.batch_size
+    trainer._replicas = 1
+    # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
+    trainer._batches_done = 0
+    trainer._epoch_finished = False
+    # Stop requests: this rank wants every rank to stop (SIGTERM or should_stop); SIGTERM seen on
+    # this rank; agreed by the job; handled (checkpoint saved).
+    trainer._request_stop = False
+    trainer._preempt_requested = False
+    trainer._job_preempt = False
+    trainer._preempted = False
+    trainer._nonfinite_run = []
+    # What a poisoned backward pass turns to nan, and what is read to see it: one element of the
+    # sentinel's gradient, or of every gradient when some parameters may go unused in a step.
+    trainer._params = []
+    trainer._sentinel = None
+    trainer._sentinel_is_vector = False
+    trainer._scan_all = False
+    # The generators a forward pass draws from (CPU, and this rank's CUDA device), their states
+    # at the start of the step in flight (given back when a stop request discards that step),
+    # and the batches a discarded step gave back to the loader.
+    trainer._generators = []
+    trainer._states_at_step = []
+    trainer._given_back = 0
+    # Training loss since the last logging step and over the epoch (this rank's step losses, as
+    # Python floats: reduced across ranks when logged), and extra training_step metrics as
+    # on-device sums.
+    trainer._window_sum = 0.0
+    trainer._window_count = 0
+    trainer._epoch_sum = 0.0
+    trainer._epoch_count = 0
+    trainer._extra_sums = {}
+    trainer._extra_count = 0
+    # (global_step, sums, count) of the extra metrics before the step in flight: what a
+    # discarded step gives back (taken only when training_step returns extra metrics).
+    trainer._extras_at_step = None
+    # This optimizer step is a logging step whose metrics are not logged yet (between the
+    # step-end callbacks and the log): a checkpoint saved then logs them first.
+    trainer._log_pending = False
+    # The step of the latest validation and its metrics (an epoch end at that step reuses them).
+    trainer._last_validation = (-1, {})
+    # Puts the hang doctor's settings back as they were before this fit() (see _setup).
+    trainer._restore_hang = None

@@ -1,8 +1,10 @@
-"""What the loop calls once per micro-batch: the step module (the model and its loss, which the
-strategy wraps), and the small readers of batches, losses and validation values. Local throughout."""
+"""What the loop calls once per micro-batch and once per optimizer step: the step module (the model
+and its loss, which the strategy wraps), the small readers of batches, losses and validation values
+(local), and the optimizer step with its clipping, skip and stop decisions."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +13,11 @@ from torch import nn
 
 from distkit import runtime
 
+# _evaluate imports this module's readers; by the time a step runs both are loaded.
+from distkit.trainer import _evaluate, _logs, _model_io, _nonfinite, _preemption
+
 if TYPE_CHECKING:
-    pass
+    from distkit.trainer.trainer import Trainer
 
 __all__: list[str] = []
 
@@ -20,13 +25,15 @@ _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
 class _StepModule(nn.Module):
-    """What the strategy wraps: the user's module and its loss (``training_step`` or ``loss_fn``)."""
+    """What the strategy wraps: the user's module and its loss (``training_step``, ``loss_fn``, or
+    the model's own loss: :mod:`distkit.trainer._model_io`)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, *, per_device: bool):
         super().__init__()
         self.module = module
         self.loss_fn = loss_fn
-        self.has_training_step = callable(getattr(module, "training_step", None))
+        self.convention = _model_io.convention(module, loss_fn)
+        self.target_name = _model_io.target_parameter(module)
         # Under nn.DataParallel every device returns 1-element vectors, which it concatenates.
         self.per_device = per_device
         # The batch and loss of a plain model are checked on the first step only (hot path).
@@ -36,18 +43,19 @@ class _StepModule(nn.Module):
         # _modules/_parameters directly: nn.Module.__getattr__ costs a microsecond per lookup.
         module = self._modules["module"]
         extras: dict[str, Any] = _NO_EXTRAS
-        if self.has_training_step:
+        convention = self.convention
+        if convention == "training_step":
             loss, extras = _split_step_output(module.training_step(batch, batch_idx))
-        else:
-            if not self.checked:
-                _split_batch(batch)
+        elif convention == "model_loss":
+            loss = _model_io.loss_of(_model_io.call_with_target(module, batch, self.target_name), module)
+            self.checked = True
+        elif self.checked:
             inputs, target = batch
             # A function sits in __dict__, a loss module (nn.CrossEntropyLoss()) in _modules.
             loss_fn = self.__dict__.get("loss_fn") or self._modules["loss_fn"]
             loss = loss_fn(module(inputs), target)  # type: ignore[misc]
-            if not self.checked:
-                _check_loss(loss)
-                self.checked = True
+        else:
+            loss = self._first_plain_step(module, batch)
         if self.per_device:
             # nn.DataParallel gathers tensors only: numbers travel as 1-element tensors too.
             extras = {k: torch.as_tensor(v, device=loss.device).reshape(1) for k, v in extras.items()}
@@ -58,6 +66,20 @@ class _StepModule(nn.Module):
     # nn.Module.__call__'s hook dispatch (measurable on an overhead-bound model).
     __call__ = forward
 
+    def _first_plain_step(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """``loss_fn(model(inputs), target)`` on the first batch, with errors that say what to do."""
+        inputs, target = _model_io.split_batch(batch)
+        loss_fn = self.__dict__.get("loss_fn") or self._modules["loss_fn"]
+        try:
+            loss = loss_fn(module(inputs), target)  # type: ignore[misc]
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, ValueError, RuntimeError, IndexError) as err:
+            raise _model_io.first_failure(module, batch, err) from err
+        _model_io.check_loss(loss)
+        self.checked = True
+        return loss  # type: ignore[no-any-return]
+
 
 _NO_EXTRAS: dict[str, Any] = {}
 
@@ -65,25 +87,6 @@ _NO_EXTRAS: dict[str, Any] = {}
 def _mean_over_devices(loss: torch.Tensor, extras: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     # nn.DataParallel concatenated one value per GPU; the batch's value is their mean.
     return loss.mean(), {k: v.mean() for k, v in extras.items()}
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
-        raise TypeError(
-            f"loss_fn must return a one-element tensor (the batch mean), got {type(loss).__name__}"
-            f"{shape}; use reduction='mean'."
-        )
-
-
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"with a plain model the batches must be (inputs, target) pairs, got {type(batch).__name__}"
-        f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For other batches "
-        f"give the model a training_step(batch, batch_idx) method that returns the loss."
-    )
 
 
 def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -146,4 +149,76 @@ def _metric_value(name: str, value: Any, batch_size: int) -> tuple[torch.Tensor 
     raise TypeError(
         f"validation metric {name!r} must be a tensor (per sample, or the batch mean), a number or a "
         f"(sum, count) pair, got {type(value).__name__}."
+    )
+
+
+def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: int) -> bool:
+    """Take, skip or discard the optimizer step after the last micro-batch; True when training
+    stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
+    precision, optimizer, strategy = trainer._precision, trainer.optimizer, trainer._strategy
+    assert precision is not None and optimizer is not None and strategy is not None
+    take_step, stop = True, False
+    # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
+    grad = None if trainer._scan_all or trainer._sentinel is None else trainer._sentinel.grad
+    if grad is None:
+        flag = _nonfinite.scan_gradients(trainer)
+    else:
+        grad = strategy.local(grad)
+        flag = strategy.agreed(grad[0] if trainer._sentinel_is_vector else grad.reshape(-1)[0])
+    if math.isfinite(flag):
+        if trainer._nonfinite_run:
+            trainer._nonfinite_run.clear()
+        trainer._window_sum += value
+        trainer._window_count += 1
+        trainer._epoch_sum += value
+        trainer._epoch_count += 1
+    else:
+        take_step, stop = _nonfinite.agree(trainer, value, micro)
+        if take_step is None:  # discarded for a stop request
+            if trainer._job_preempt:
+                _preemption.preempt(trainer)
+            return True
+
+    if take_step and trainer.gradient_clip_val is not None and not _clip_gradients(trainer):
+        take_step = precision.scaler is not None  # the scaler skips it and lowers its scale
+        if not take_step:
+            _nonfinite.skip(trainer, "the gradients' norm was non-finite (every loss was finite)", [])
+    if take_step:
+        if precision.scaler is None:
+            optimizer.step()
+        else:
+            precision.step(optimizer)
+        if trainer.lr_scheduler is not None and trainer._scheduler_interval == "step":
+            trainer.lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    trainer.global_step += 1
+
+    every = trainer.val_check_interval
+    if every is not None and trainer.global_step % every == 0 and trainer._val_loader is not None:
+        _evaluate.validate_now(trainer)  # before the step-end callbacks save this step
+
+    log = trainer.global_step % trainer.log_every_n_steps == 0
+    if log:
+        # A checkpoint saved by a step-end callback logs this step's metrics first (_Counters).
+        trainer._log_pending = True
+    for cb in trainer._step_end_callbacks:
+        cb.on_train_step_end(trainer, loss)
+    if log and trainer._log_pending:
+        _logs.log_step(trainer)
+    if trainer._job_preempt:
+        _preemption.preempt(trainer)
+        return True
+    return stop or trainer._finished()
+
+
+def _clip_gradients(trainer: Trainer) -> bool:
+    """Clip (unscaling first under fp16); False when the gradients' norm is not finite."""
+    assert trainer._precision is not None and trainer.optimizer is not None and trainer.model is not None
+    trainer._precision.unscale(trainer.optimizer)  # fp16: exactly once per optimizer step
+    params = [p for p in trainer.model.parameters() if p.grad is not None]
+    # The norm is the same on every rank (the gradients are reduced), so every rank decides alike.
+    return trainer._strategy.clip_gradients(  # type: ignore[union-attr]
+        params,
+        trainer.gradient_clip_val,
+        trainer.gradient_clip_algorithm,  # type: ignore[arg-type]
     )

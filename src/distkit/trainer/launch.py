@@ -260,11 +260,13 @@ def _worker(payload: bytes, errors: str) -> bytes:
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # for the processes this worker starts, as torchrun's
         torch.set_num_threads(1)
-    trainer, model, args, kwargs, state = pickle.loads(payload)
+    trainer, method, model, args, kwargs, state = pickle.loads(payload)
     _apply_process_state(state)
     preempted = False
     try:
-        trainer.fit(model, *args, **kwargs)
+        result = getattr(trainer, method)(model, *args, **kwargs)
+        if method != "fit":  # validate, test, predict: rank 0's answer is the job's
+            return pickle.dumps(result if trainer.is_main_process else None, protocol=pickle.HIGHEST_PROTOCOL)
     except _Preempted:
         preempted = True
     except BaseException as err:
@@ -282,7 +284,7 @@ def run_workers(
     check_main_guard(plan.local_processes)
     payload = serialize(
         "the trainer, model, data, optimizer and functions",
-        (trainer, model, data, kwargs, process_state()),
+        (trainer, "fit", model, data, kwargs, process_state()),
     )
     results = launch(plan.local_processes, payload)
     final = pickle.loads(results[0])
@@ -290,6 +292,24 @@ def run_workers(
     trainer.world_size = plan.world_size
     if final["preempted"]:
         raise _Preempted()
+
+
+def run_method(
+    trainer: Trainer,
+    plan: strategies._Plan,
+    method: str,
+    model: nn.Module,
+    data: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run ``trainer.<method>`` (validate, test or predict) on ``plan.local_processes`` new
+    processes and return rank 0's result."""
+    check_main_guard(plan.local_processes)
+    payload = serialize(
+        f"the trainer, model and data of {method}()", (trainer, method, model, data, kwargs, process_state())
+    )
+    results = launch(plan.local_processes, payload)
+    return pickle.loads(results[0])
 
 
 def worker_outcome(trainer: Trainer, preempted: bool) -> dict[str, Any] | None:
@@ -306,6 +326,8 @@ def worker_outcome(trainer: Trainer, preempted: bool) -> dict[str, Any] | None:
         "lr_scheduler": None if scheduler is None else _tree_to_cpu(scheduler.state_dict()),
         "callbacks": _tree_to_cpu(_CallbackStates(trainer.callbacks).state_dict()),
         "global_step": trainer.global_step,
+        # What a scheduler factory reads (steps_per_epoch, total_steps, effective_batch_size).
+        "loop_sizes": (trainer._num_batches, trainer._per_replica_batch, trainer._replicas),
         "current_epoch": trainer.current_epoch,
         "skipped_steps": trainer.skipped_steps,
         "should_stop": trainer._should_stop,
@@ -327,6 +349,7 @@ def take_outcome(
     """
     model.load_state_dict(outcome["model"])
     trainer.model = model
+    trainer._num_batches, trainer._per_replica_batch, trainer._replicas = outcome["loop_sizes"]
     trainer.optimizer = _setup.make_optimizer(trainer, model, kwargs["optimizer"])
     # Made before the optimizer's state is loaded: a new scheduler sets the learning rates.
     trainer.lr_scheduler = _setup.make_scheduler(trainer, kwargs["lr_scheduler"])

@@ -1,4 +1,5 @@
-"""Where the Trainer writes metrics: a CSV file by default, TensorBoard as an extra.
+"""Where the Trainer writes metrics: a CSV file by default; TensorBoard, MLflow and Weights & Biases
+as extras.
 
 The Trainer calls loggers on the main process only, with values already reduced across ranks, so a
 logger never communicates and never sees a rank's partial view.
@@ -15,9 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from distkit import runtime
 from distkit._fs import atomic_open
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
+
+_log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
 class Logger:
@@ -48,6 +52,14 @@ class Logger:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Record metrics reduced across ranks, at optimizer step ``step``."""
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        """Record the run's last checkpoint, once ``fit`` has finished and its saves are committed.
+
+        Args:
+            path: The checkpoint directory (an fsspec URL has its credentials redacted).
+            step: Its optimizer step.
+        """
 
     def finalize(self) -> None:
         """Flush and close; called at the end of ``fit``, also when it fails."""

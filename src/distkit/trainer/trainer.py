@@ -14,14 +14,14 @@ One optimizer step, in every strategy::
 
 The loop never asks which wrapper it holds: what differs between strategies sits behind
 :class:`distkit.trainer._strategy.Strategy`. How a bad step or a stop request reaches every rank
-is told in :mod:`distkit.trainer._nonfinite`; set-up in :mod:`distkit.trainer._setup`; the metric sums
-between logging steps in :mod:`distkit.trainer._logs`, validation in :mod:`distkit.trainer._evaluate`.
+is told in :mod:`distkit.trainer._nonfinite`. The epoch's loop is :mod:`distkit.trainer._loop`, the
+optimizer step :func:`distkit.trainer._step.optimizer_step`, set-up :mod:`distkit.trainer._setup`, the
+metric sums between logging steps :mod:`distkit.trainer._logs`, validation
+:mod:`distkit.trainer._evaluate`, and ``validate``/``test``/``predict`` :mod:`distkit.trainer._inference`.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,16 +32,21 @@ from torch import nn
 
 from distkit import runtime
 from distkit._hang import check_timeout
-from distkit.checkpoint import ResumeState
-from distkit.collectives import any_rank, reduce_metrics
-from distkit.trainer import _evaluate, _logs, _nonfinite, _preemption, _setup, launch, strategies
+from distkit.trainer import (
+    _inference,
+    _logs,
+    _loop,
+    _model_io,
+    _preemption,
+    _setup,
+    _state,
+    launch,
+    strategies,
+)
 from distkit.trainer._preemption import _Preempted
-from distkit.trainer._state import _CallbackStates, _Counters, _GivenBack
-from distkit.trainer._step import _mean_over_devices, _StepModule, _to_device
-from distkit.trainer._strategy import Strategy
-from distkit.trainer.callbacks import Callback, ModelCheckpoint, _ProgressBar
-from distkit.trainer.loggers import CSVLogger, Logger
-from distkit.trainer.precision import Precision, check_precision
+from distkit.trainer.callbacks import Callback, ModelCheckpoint
+from distkit.trainer.loggers import Logger
+from distkit.trainer.precision import check_precision
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
 __all__ = ["Trainer"]
@@ -84,20 +89,34 @@ class Trainer:
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
         log_every_n_steps: Optimizer steps between logged training metrics (at most one
             collective per logging step).
-        check_val_every_n_epoch: Epochs between validations.
+        check_val_every_n_epoch: Epochs between validations at the end of an epoch; ``None``:
+            none there (only every ``val_check_interval`` steps).
+        val_check_interval: Also validate every this many optimizer steps, mid-epoch too (as
+            nanoGPT's ``eval_interval``). An epoch-end validation at a step just validated is not
+            repeated. Validation comes before the step's checkpoint, so resuming stays exact.
         callbacks: :class:`Callback` objects (hooks run on every rank, in order).
         logger: ``True`` for a :class:`CSVLogger` in ``default_root_dir``, ``False`` for none, or
             :class:`Logger` objects. Loggers write on the main process only.
-        enable_checkpointing: Add a :class:`ModelCheckpoint` (every epoch, last 3 kept) unless one
-            is among ``callbacks``.
-        enable_progress_bar: A tqdm bar on the main process; ``None``: when tqdm is installed and
-            stderr is a terminal.
+        enable_checkpointing: Add a :class:`ModelCheckpoint` (every epoch and every 30 minutes of
+            training, so a long epoch keeps a recent one; last 3 kept) unless one is among
+            ``callbacks``.
+        enable_progress_bar: ``True``: a tqdm bar on the main process; ``None``: the tqdm bar when
+            stderr is a terminal and tqdm is installed, else plain lines (:class:`ProgressLog`:
+            every 30 s, after each validation and at each epoch end; never bar frames in a log
+            file); ``False``: neither.
         default_root_dir: Directory of logs and checkpoints.
         resume: ``"auto"`` to continue from the latest valid checkpoint when there is one, a
             checkpoint path, or ``None`` to start fresh.
         seed: ``distkit.seed_everything(seed)`` at the start of ``fit``, and the seed of the
             loaders ``fit`` makes; ``None`` leaves the RNGs alone and the loaders on distkit's
             default seed (``seed_everything``'s, else 0).
+        scale_lr: ``"linear"`` or ``"sqrt"``: multiply the optimizer's learning rates by
+            :func:`distkit.scale_lr`'s factor for the job's effective batch against
+            ``base_batch_size`` (again after a resume on another number of ranks); ``None``: as given.
+        base_batch_size: The effective batch size the given learning rates were tuned for.
+        seed_per_rank: With ``seed``, give every rank its own random streams (dropout, augmentation)
+            derived from ``seed`` and the rank, as nanoGPT's ``seed + rank``; the data order stays
+            the common seed's. See :func:`distkit.seed_everything`.
         max_consecutive_nonfinite: Consecutive optimizer steps with a non-finite loss or gradient
             norm (skipped on every rank) after which ``fit`` raises.
         hang_timeout_s: The hang doctor's watchdog during ``fit`` (several processes only; see
@@ -116,6 +135,9 @@ class Trainer:
         should_stop: Set to ``True`` (e.g. from a callback) to stop every rank after this step.
         callback_metrics: The latest logged metrics, reduced across ranks.
         skipped_steps: Steps skipped because a loss was non-finite on some rank.
+        run_config: The resolved configuration of a :class:`distkit.TrainerCLI` run: saved as
+            ``<default_root_dir>/config.yaml`` by the main process, logged as the hyperparameters,
+            compared across ranks and on resume; ``None`` for a Trainer built in Python.
 
     Raises:
         ValueError: An argument is out of range (the message names it).
@@ -142,16 +164,22 @@ class Trainer:
     gradient_clip_val: float | None
     gradient_clip_algorithm: str
     log_every_n_steps: int
-    check_val_every_n_epoch: int
+    check_val_every_n_epoch: int | None
+    val_check_interval: int | None
     callbacks: list[Callback]
     loggers: list[Logger]
     enable_progress_bar: bool | None
     default_root_dir: Path
     resume: str | None
     seed: int | None
+    seed_per_rank: bool
+    scale_lr: str | None
+    base_batch_size: int | None
     max_consecutive_nonfinite: int
     hang_timeout_s: float | str | None
     compile: bool
+    # The resolved configuration of a TrainerCLI run (None for a Trainer built in Python).
+    run_config: dict[str, Any] | None
 
     # What fit() set up: the user's objects, this process's device and the job's size.
     model: nn.Module | None
@@ -182,7 +210,8 @@ class Trainer:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         log_every_n_steps: int = 50,
-        check_val_every_n_epoch: int = 1,
+        check_val_every_n_epoch: int | None = 1,
+        val_check_interval: int | None = None,
         callbacks: Sequence[Callback] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_checkpointing: bool = True,
@@ -190,6 +219,9 @@ class Trainer:
         default_root_dir: str | os.PathLike[str] = "runs",
         resume: str | os.PathLike[str] | None = None,
         seed: int | None = None,
+        seed_per_rank: bool = False,
+        scale_lr: str | None = None,
+        base_batch_size: int | None = None,
         max_consecutive_nonfinite: int = 5,
         hang_timeout_s: float | str | None = "auto",
         compile: bool = False,
@@ -217,14 +249,19 @@ class Trainer:
             accumulate_grad_batches=accumulate_grad_batches,
             log_every_n_steps=log_every_n_steps,
             check_val_every_n_epoch=check_val_every_n_epoch,
+            val_check_interval=val_check_interval,
             max_consecutive_nonfinite=max_consecutive_nonfinite,
             gradient_clip_val=gradient_clip_val,
             gradient_clip_algorithm=gradient_clip_algorithm,
             compile=compile,
         )
-        if resume is not None and not isinstance(resume, (str, os.PathLike)):
-            raise TypeError(f"resume must be 'auto', a checkpoint path or None, got {resume!r}.")
-
+        _setup.check_run_options(
+            scale_lr=scale_lr,
+            base_batch_size=base_batch_size,
+            seed=seed,
+            seed_per_rank=seed_per_rank,
+            resume=resume,
+        )
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.batch_size = batch_size
@@ -235,35 +272,21 @@ class Trainer:
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.log_every_n_steps = log_every_n_steps
         self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.val_check_interval = val_check_interval
         self.default_root_dir = Path(default_root_dir)
         self.resume = None if resume is None else os.fspath(resume)
         self.seed = seed
+        self.seed_per_rank = seed_per_rank
+        self.scale_lr = scale_lr
+        self.base_batch_size = base_batch_size
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.enable_progress_bar = enable_progress_bar
         self.hang_timeout_s = check_timeout(hang_timeout_s)
         self.compile = compile
+        self.run_config = None
 
-        given = list(callbacks or [])
-        for cb in given:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be distkit.Callback objects, got {type(cb).__name__}.")
-        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in given):
-            given.append(ModelCheckpoint())
-        # Checkpoints last: what they save includes the other callbacks' state after their hooks.
-        self.callbacks = [cb for cb in given if not isinstance(cb, ModelCheckpoint)] + [
-            cb for cb in given if isinstance(cb, ModelCheckpoint)
-        ]
-        if logger is True:
-            self.loggers = [CSVLogger()]
-        elif logger is False or logger is None:
-            self.loggers = []
-        else:
-            self.loggers = [logger] if isinstance(logger, Logger) else list(logger)
-            for item in self.loggers:
-                if not isinstance(item, Logger):
-                    raise TypeError(
-                        f"logger must be True, False or Logger objects, got {type(item).__name__}."
-                    )
+        self.callbacks = _setup.callback_list(callbacks, enable_checkpointing)
+        self.loggers = _setup.logger_list(logger)
 
         self.model = None
         self.optimizer = None
@@ -277,66 +300,7 @@ class Trainer:
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
-        # What one fit() sets up and uses; none of it is configuration.
-        self._should_stop = False
-        self._plan: strategies._Plan | None = None
-        self._strategy: Strategy | None = None
-        self._model_class: type = nn.Module
-        self._step_module: _StepModule | None = None
-        self._wrapped: nn.Module | None = None
-        self._precision: Precision | None = None
-        self._train_loader: Any = None
-        self._val_loader: Any = None
-        self._loss_fn: Callable[..., torch.Tensor] | None = None
-        self._metric_fns: dict[str, Callable[..., Any]] = {}
-        self._scheduler_interval = "step"
-        self._active_callbacks: list[Callback] = []
-        # The callbacks that override on_train_step_end, called every step.
-        self._step_end_callbacks: list[Callback] = []
-        # Batches per epoch on this rank, samples per loader batch, and data-parallel replicas
-        # (ranks, or GPUs under DP) for the effective batch size.
-        self._num_batches = 0
-        self._per_replica_batch = self.batch_size
-        self._replicas = 1
-        # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
-        self._batches_done = 0
-        self._epoch_finished = False
-        # Stop requests: this rank wants every rank to stop (SIGTERM or should_stop); SIGTERM seen on
-        # this rank; agreed by the job; handled (checkpoint saved).
-        self._request_stop = False
-        self._preempt_requested = False
-        self._job_preempt = False
-        self._preempted = False
-        self._nonfinite_run: list[int] = []
-        # What a poisoned backward pass turns to nan, and what is read to see it: one element of the
-        # sentinel's gradient, or of every gradient when some parameters may go unused in a step.
-        self._params: list[nn.Parameter] = []
-        self._sentinel: nn.Parameter | None = None
-        self._sentinel_is_vector = False
-        self._scan_all = False
-        # The generators a forward pass draws from (CPU, and this rank's CUDA device), their states
-        # at the start of the step in flight (given back when a stop request discards that step),
-        # and the batches a discarded step gave back to the loader.
-        self._generators: list[torch.Generator] = []
-        self._states_at_step: list[torch.Tensor] = []
-        self._given_back = 0
-        # Training loss since the last logging step and over the epoch (this rank's step losses, as
-        # Python floats: reduced across ranks when logged), and extra training_step metrics as
-        # on-device sums.
-        self._window_sum = 0.0
-        self._window_count = 0
-        self._epoch_sum = 0.0
-        self._epoch_count = 0
-        self._extra_sums: dict[str, Any] = {}
-        self._extra_count = 0
-        # (global_step, sums, count) of the extra metrics before the step in flight: what a
-        # discarded step gives back (taken only when training_step returns extra metrics).
-        self._extras_at_step: tuple[int, dict[str, Any], int] | None = None
-        # This optimizer step is a logging step whose metrics are not logged yet (between the
-        # step-end callbacks and the log): a checkpoint saved then logs them first.
-        self._log_pending = False
-        # Puts the hang doctor's settings back as they were before this fit() (see _setup).
-        self._restore_hang: Callable[[], None] | None = None
+        _state.reset_run_state(self)  # what one fit() sets up and uses, listed there
 
     # ------------------------------------------------------------------------------------------
     # Read-only views for callbacks
@@ -368,6 +332,18 @@ class Trainer:
         return -(-self._num_batches // self.accumulate_grad_batches)
 
     @property
+    def total_steps(self) -> int:
+        """Optimizer steps ``fit`` takes in all: ``max_steps``, or ``max_epochs`` x
+        ``steps_per_epoch`` when that is fewer (known once ``fit`` has made its loaders; before,
+        ``max_steps`` or 0)."""
+        by_epochs = None if self.max_epochs is None else self.max_epochs * self.steps_per_epoch
+        if self.max_steps is None:
+            return by_epochs or 0
+        if by_epochs is None or not self._num_batches:
+            return self.max_steps
+        return min(self.max_steps, by_epochs)
+
+    @property
     def effective_batch_size(self) -> int:
         """Samples per optimizer step in the job: batch x replicas (ranks; GPUs under DP) x accumulation."""
         return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
@@ -387,7 +363,8 @@ class Trainer:
         scheduler_interval: str = "step",
         metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
     ) -> None:
-        """Train ``model`` on ``train_data``, validating on ``val_data`` every epoch.
+        """Train ``model`` on ``train_data``, validating on ``val_data`` every epoch (and every
+        ``val_check_interval`` steps).
 
         Collective: call on every rank (under a launcher). Outside a launcher, with
         ``strategy="ddp"`` and several devices, it starts the processes itself, each from this
@@ -400,7 +377,12 @@ class Trainer:
 
         Args:
             model: A plain ``nn.Module`` (batches are ``(inputs, target)``, the loss is
-                ``loss_fn(model(inputs), target)``), or one with ``training_step(batch, batch_idx)``
+                ``loss_fn(model(inputs), target)``); without ``loss_fn``, a model that computes its
+                own loss: a ``forward`` with a parameter named ``targets``, ``target``, ``labels``
+                or ``label`` is called ``model(inputs, targets=target)`` (nanoGPT), dict batches
+                as ``model(**batch)`` (Hugging Face), and the loss is found in the output (the
+                output itself, ``output["loss"]``/``output.loss``, or the one-element tensor of a
+                ``(logits, loss)`` tuple); or a model with ``training_step(batch, batch_idx)``
                 returning the loss (or a dict with ``"loss"`` and more metrics to log) and optionally
                 ``validation_step(batch, batch_idx)`` returning a dict of metrics (numbers or
                 tensors as batch means, per-sample tensors, or ``(sum, count)`` pairs).
@@ -410,7 +392,10 @@ class Trainer:
                 seen exactly once across ranks and validation metrics are exact.
             optimizer: An optimizer over ``model``'s parameters, or a function making one from them.
             loss_fn: ``loss_fn(output, target) -> loss`` (the batch mean) for plain models.
-            lr_scheduler: A scheduler of ``optimizer``, or a function making one from it.
+            lr_scheduler: A scheduler of ``optimizer``, or a function making one from it: either
+                ``fn(optimizer)`` or ``fn(optimizer, trainer)``, called once the loaders exist, so
+                ``trainer.steps_per_epoch`` and ``trainer.total_steps`` are known (schedules in
+                epochs: :func:`distkit.trainer.warmup_schedule`).
             scheduler_interval: Step the scheduler after every optimizer ``"step"`` or every ``"epoch"``.
             metrics: Extra validation metrics of plain models: ``name -> fn(output, target)``
                 returning per-sample values (e.g. :func:`distkit.trainer.accuracy`); logged as
@@ -435,11 +420,7 @@ class Trainer:
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}.")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if loss_fn is None and not callable(getattr(model, "training_step", None)):
-            raise ValueError(
-                f"{type(model).__name__} has no training_step(batch, batch_idx); pass loss_fn=... "
-                f"(e.g. torch.nn.functional.cross_entropy) to train it as a plain model."
-            )
+        _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
         plan = strategies.resolve(self.strategy, self.devices)
         if plan.launch:
             kwargs = {
@@ -469,32 +450,107 @@ class Trainer:
             finally:
                 _preemption.restore_handler(self, previous_handler)
         except BaseException as err:
-            # A collective that failed because a rank is gone: with the hang doctor on, one report
-            # of where every rank is, and every rank exits (docs/debugging.md); else it goes on.
-            runtime._on_collective_failure(err)
-            # A failed fit lets go of the checkpoint directory now, without waiting on ranks that
-            # may be gone (a successful one closes it in ModelCheckpoint.on_fit_end).
-            checkpoint = self._checkpoint_callback()
-            if checkpoint is not None and checkpoint.manager is not None:
-                checkpoint.manager.__exit__(type(err), err, err.__traceback__)
+            _setup.on_failure(self, err)
             raise
         finally:
-            if self._strategy is not None:
-                self._strategy.teardown(model)
-            if self._restore_hang is not None:
-                self._restore_hang()
-                self._restore_hang = None
-            for cb in self._active_callbacks:
-                if isinstance(cb, _ProgressBar):
-                    cb.close()
-            if runtime.is_main_process():
-                for logger in self.loggers:
-                    logger.finalize()
+            _setup.teardown(self, model)
         if self._preempted:
             raise _Preempted()
 
     # ------------------------------------------------------------------------------------------
-    # Set-up
+    # validate, test, predict
+
+    def validate(
+        self,
+        model: nn.Module,
+        data: Any,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
+    ) -> dict[str, float]:
+        """Validate ``model`` on every sample of ``data`` once; the metrics equal one process's.
+
+        Collective: call on every rank (under a launcher). Outside a launcher a multi-process
+        strategy starts its processes as :meth:`fit` does and returns rank 0's result; with one
+        device it runs here. Works with or without ``fit`` first (after ``fit`` under FSDP, on the
+        sharded model). Metrics are ``val_loss`` and ``val_<name>`` (plain models; ``loss_fn`` or
+        a forward that takes the target) or a ``validation_step``'s dict, each reduced exactly
+        (sum and count over every sample) and also put in ``callback_metrics``.
+
+        Args:
+            model: The model (``validation_step(batch, batch_idx)`` optional).
+            data: A map-style dataset (split over the ranks without padding) or a DataLoader.
+            ckpt_path: A checkpoint to load the model's weights from first (full or sharded,
+                saved by any number of ranks).
+            loss_fn: ``loss_fn(output, target)`` of a plain model.
+            metrics: ``name -> fn(output, target)`` returning per-sample values.
+
+        Returns:
+            The metrics, the same on every rank.
+
+        Example:
+            >>> trainer.validate(model, val_set, loss_fn=F.cross_entropy,
+            ...                  metrics={"acc": distkit.trainer.accuracy})  # doctest: +SKIP
+            {'val_loss': 0.31, 'val_acc': 0.91}
+        """
+        return _inference.evaluate(
+            self, "val", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
+        )
+
+    def test(
+        self,
+        model: nn.Module,
+        data: Any,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
+    ) -> dict[str, float]:
+        """:meth:`validate` on a test set: metrics named ``test_*``, from ``test_step`` when the
+        model has one (else ``validation_step``). Collective, like :meth:`validate`.
+
+        Example:
+            >>> trainer.test(model, test_set, ckpt_path="runs/checkpoints/step-00001000",
+            ...              loss_fn=F.cross_entropy)  # doctest: +SKIP
+            {'test_loss': 0.29}
+        """
+        return _inference.evaluate(
+            self, "test", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
+        )
+
+    def predict(
+        self,
+        model: nn.Module,
+        data: Any,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        all_ranks: bool = False,
+    ) -> Any:
+        """The model's output for every sample of ``data`` once, in dataset order.
+
+        Collective: call on every rank (under a launcher); outside one, as :meth:`validate`. Each
+        batch is ``model.predict_step(batch, batch_idx)`` when defined, else ``model(inputs)`` for
+        ``(inputs, target)`` batches, ``model(batch)`` for tensors, ``model(**batch)`` for dicts.
+
+        Args:
+            model: The model.
+            data: A map-style dataset (split over the ranks without padding) or a DataLoader.
+            ckpt_path: A checkpoint to load the model's weights from first.
+            all_ranks: Return the predictions on every rank, not only the main process (under a
+                launcher).
+
+        Returns:
+            Tensor outputs joined along the first dimension (dicts and tuples of tensors keep
+            their structure), other outputs as a list; ``None`` on the other ranks unless
+            ``all_ranks``.
+
+        Example:
+            >>> logits = trainer.predict(model, test_set)  # doctest: +SKIP
+            >>> logits.shape
+            torch.Size([10000, 10])
+        """
+        return _inference.predict(self, model, data, ckpt_path=ckpt_path, all_ranks=all_ranks)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -515,25 +571,7 @@ class Trainer:
         Example:
             >>> manager.save(trainer.global_step, trainer.checkpoint_state())  # doctest: +SKIP
         """
-        if self._epoch_finished:
-            epoch, batches = self.current_epoch + 1, 0
-        else:
-            epoch, batches = self.current_epoch, self._batches_done
-        state: dict[str, Any] = {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "progress": ResumeState(epoch=epoch, global_step=self.global_step, batches_in_epoch=batches),
-            "counters": _Counters(self),
-            "callbacks": _CallbackStates(self.callbacks),
-        }
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler
-        if self._precision is not None and self._precision.scaler is not None:
-            state["scaler"] = self._precision.scaler
-        if callable(getattr(self._train_loader, "state_dict", None)):
-            loader = self._train_loader
-            state["train_loader"] = _GivenBack(loader, self._given_back) if self._given_back else loader
-        return state
+        return _state.checkpoint_state(self)
 
     def _checkpoint_callback(self) -> ModelCheckpoint | None:
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
@@ -543,7 +581,7 @@ class Trainer:
 
     def _run(self) -> None:
         while not self._finished():
-            self._run_epoch()
+            _loop.run_epoch(self)
             if self._preempted:
                 break
             if self._epoch_finished:
@@ -554,182 +592,9 @@ class Trainer:
                 break
         for cb in self._active_callbacks:
             cb.on_fit_end(self)
+        _logs.log_final_checkpoint(self)  # committed by now (ModelCheckpoint.on_fit_end waited)
 
     def _finished(self) -> bool:
         if self.max_steps is not None and self.global_step >= self.max_steps:
             return True
         return self.max_epochs is not None and self.current_epoch >= self.max_epochs
-
-    def _run_epoch(self) -> None:
-        loader = self._train_loader
-        first = self._batches_done
-        if callable(getattr(loader, "set_epoch", None)):
-            loader.set_epoch(self.current_epoch)  # keeps a restored mid-epoch position
-        elif callable(getattr(getattr(loader, "sampler", None), "set_epoch", None)):
-            loader.sampler.set_epoch(self.current_epoch)
-        self._epoch_finished = False
-        if not first:  # a resumed epoch keeps the restored sums of its first steps
-            self._epoch_sum, self._epoch_count = 0.0, 0
-        self.model.train()  # type: ignore[union-attr]
-        for cb in self._active_callbacks:
-            cb.on_train_epoch_start(self)
-
-        # Held until the epoch's end work is done: a distkit loader closes its pass (and moves to
-        # the next epoch) when the iterator goes, and a checkpoint taken at the end of an epoch cut
-        # short (max_steps, should_stop) must record this epoch's position.
-        iterator: Iterable[Any] = iter(loader)
-        if first and not callable(getattr(loader, "load_state_dict", None)):
-            iterator = itertools.islice(iterator, first, None)
-        # The hot loop reads locals only: on an overhead-bound model attribute lookups and calls are
-        # a visible share of the step (benchmarks/bench_trainer.py).
-        wrapped, precision, device = self._wrapped, self._precision, self.device
-        assert wrapped is not None and precision is not None and device is not None
-        move = device.type != "cpu"
-        accumulate = self.accumulate_grad_batches
-        strategy = self._strategy
-        assert strategy is not None
-        accumulation, poison, params = strategy.accumulation, strategy.poisoned_backward, self._params
-        per_device = self._step_module.per_device  # type: ignore[union-attr]
-        plain = precision.dtype is None and precision.scaler is None
-        last_index = self._num_batches - 1
-        generators = self._generators
-        one_generator = len(generators) == 1
-        cpu_generator = generators[0]
-        micro_losses: list[torch.Tensor] = []
-        micro_sum = 0.0
-        for batch_idx, batch in enumerate(iterator, start=first):
-            if move:
-                batch = _to_device(batch, device)
-            if accumulate == 1 or not micro_losses:
-                # The step's first micro-batch: what a stop request would give back (about 1 us).
-                self._states_at_step = (
-                    [cpu_generator.get_state()] if one_generator else [gen.get_state() for gen in generators]
-                )
-            sync = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx == last_index
-            with accumulation(wrapped, sync):
-                if plain:
-                    loss, extras = wrapped(batch, batch_idx)
-                else:
-                    with precision.autocast():
-                        loss, extras = wrapped(batch, batch_idx)
-                if per_device:
-                    loss, extras = _mean_over_devices(loss, extras)
-                # The one host sync of a micro-batch, after the forward pass.
-                value = loss.item()
-                scaled = loss / accumulate if accumulate > 1 else loss
-                if self._request_stop or not math.isfinite(value):
-                    poison(precision.backward, scaled, params)
-                else:
-                    precision.backward(scaled)
-            if extras:
-                _logs.add_extras(self, extras, first=accumulate == 1 or not micro_losses)
-            self._batches_done = batch_idx + 1
-            if accumulate == 1:
-                if self._optimizer_step(loss.detach(), value, 1):
-                    break
-                continue
-            micro_losses.append(loss.detach())
-            micro_sum += value
-            if not sync:
-                continue
-            micro = len(micro_losses)
-            step_loss, step_value = torch.stack(micro_losses).mean(), micro_sum / micro
-            micro_losses, micro_sum = [], 0.0
-            if self._optimizer_step(step_loss, step_value, micro):
-                break
-        if not self._preempted:
-            self._epoch_finished = self._batches_done >= self._num_batches
-            self._end_epoch()
-        del iterator
-        # The pass is over, so the loader has moved on by itself: nothing more to give back.
-        self._given_back = 0
-
-    def _end_epoch(self) -> None:
-        """Validate, reduce the epoch's metrics in one collective, run the epoch-end hooks, and agree
-        on stopping."""
-        validate = (
-            self._val_loader is not None and (self.current_epoch + 1) % self.check_val_every_n_epoch == 0
-        )
-        local = _evaluate.validate(self) if validate else {}
-        local["train_loss_epoch"] = (self._epoch_sum, float(self._epoch_count))
-        # The epoch end's one collective for metrics: the training loss and every validation sum
-        # and count at once.
-        metrics = reduce_metrics(local)
-        metrics["epoch"] = float(self.current_epoch)
-        self.callback_metrics.update(metrics)
-        if validate:
-            for cb in self._active_callbacks:
-                cb.on_validation_end(self, metrics)
-        _logs.write(self, metrics)
-        if self.lr_scheduler is not None and self._scheduler_interval == "epoch":
-            self.lr_scheduler.step()
-        for cb in self._active_callbacks:
-            cb.on_train_epoch_end(self, metrics)
-        # Built-in callbacks decide from identical metrics, a user's callback may not: agree once.
-        self._should_stop = any_rank(self._should_stop)
-
-    def _optimizer_step(self, loss: torch.Tensor, value: float, micro: int) -> bool:
-        """Take, skip or discard the optimizer step after the last micro-batch; True when training
-        stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
-        precision, optimizer, strategy = self._precision, self.optimizer, self._strategy
-        assert precision is not None and optimizer is not None and strategy is not None
-        take_step, stop = True, False
-        # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
-        grad = None if self._scan_all or self._sentinel is None else self._sentinel.grad
-        if grad is None:
-            flag = _nonfinite.scan_gradients(self)
-        else:
-            grad = strategy.local(grad)
-            flag = strategy.agreed(grad[0] if self._sentinel_is_vector else grad.reshape(-1)[0])
-        if math.isfinite(flag):
-            if self._nonfinite_run:
-                self._nonfinite_run.clear()
-            self._window_sum += value
-            self._window_count += 1
-            self._epoch_sum += value
-            self._epoch_count += 1
-        else:
-            take_step, stop = _nonfinite.agree(self, value, micro)
-            if take_step is None:  # discarded for a stop request
-                if self._job_preempt:
-                    _preemption.preempt(self)
-                return True
-
-        if take_step and self.gradient_clip_val is not None and not self._clip_gradients():
-            take_step = precision.scaler is not None  # the scaler skips it and lowers its scale
-            if not take_step:
-                _nonfinite.skip(self, "the gradients' norm was non-finite (every loss was finite)", [])
-        if take_step:
-            if precision.scaler is None:
-                optimizer.step()
-            else:
-                precision.step(optimizer)
-            if self.lr_scheduler is not None and self._scheduler_interval == "step":
-                self.lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-
-        log = self.global_step % self.log_every_n_steps == 0
-        if log:
-            # A checkpoint saved by a step-end callback logs this step's metrics first (_Counters).
-            self._log_pending = True
-        for cb in self._step_end_callbacks:
-            cb.on_train_step_end(self, loss)
-        if log and self._log_pending:
-            _logs.log_step(self)
-        if self._job_preempt:
-            _preemption.preempt(self)
-            return True
-        return stop or self._finished()
-
-    def _clip_gradients(self) -> bool:
-        """Clip (unscaling first under fp16); False when the gradients' norm is not finite."""
-        assert self._precision is not None and self.optimizer is not None and self.model is not None
-        self._precision.unscale(self.optimizer)  # fp16: exactly once per optimizer step
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        # The norm is the same on every rank (the gradients are reduced), so every rank decides alike.
-        return self._strategy.clip_gradients(  # type: ignore[union-attr]
-            params,
-            self.gradient_clip_val,
-            self.gradient_clip_algorithm,  # type: ignore[arg-type]
-        )

@@ -1,0 +1,224 @@
+"""``Trainer.validate``, ``test`` and ``predict``: one pass over a dataset, every sample once.
+
+Each rank evaluates its contiguous block of the dataset (a distkit evaluation loader: no padding,
+no duplicates), so the reduced metrics equal one process's over the whole set, and the predictions
+gathered in rank order are in dataset order. The model runs unwrapped (no gradients: nothing for
+DDP to do); a model that ``fit`` left sharded by FSDP runs its forward on every rank in lockstep.
+Outside a launcher, a multi-process strategy starts its processes as ``fit`` does and returns rank
+0's result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distkit import runtime
+from distkit.checkpoint import load_checkpoint
+from distkit.collectives import all_gather_object, reduce_metrics
+from distkit.data import gather_for_metrics
+from distkit.trainer import _evaluate, _model_io, _setup, launch, strategies
+from distkit.trainer._step import _to_device
+from distkit.trainer.precision import Precision
+
+if TYPE_CHECKING:
+    from distkit.trainer.trainer import Trainer
+
+__all__: list[str] = []
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def _prepare(
+    trainer: Trainer, model: nn.Module, data: Any, ckpt_path: str | os.PathLike[str] | None
+) -> tuple[Any, Precision, bool]:
+    """Join the job, put the model on this rank's device (loading ``ckpt_path``), and load ``data``.
+    Collective under a launcher (the process group)."""
+    plan = strategies.resolve(trainer.strategy, trainer.devices)
+    if plan.world_size > 1 and not runtime.is_initialized():
+        local_rank = runtime.get_env().local_rank
+        explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
+        runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
+    trainer.world_size = runtime.get_world_size()
+    trainer.device = device = plan.device()
+    sharded = _is_sharded(model)
+    if not sharded:
+        model.to(device)
+    if ckpt_path is not None:
+        # Full or sharded, saved by any number of ranks: load_checkpoint reshards into this model.
+        load_checkpoint(ckpt_path, {"model": model}, strict=True)
+    precision = Precision(trainer.precision, device, autocast=True)
+    batch = trainer.val_batch_size * (len(plan.cuda_indices) if plan.kind == "dp" else 1)
+    loader = _setup.make_loader(trainer, data, batch, evaluation=True)
+    return loader, precision, sharded
+
+
+def evaluate(
+    trainer: Trainer,
+    prefix: str,
+    model: nn.Module,
+    data: Any,
+    *,
+    ckpt_path: str | os.PathLike[str] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    metrics: Mapping[str, Callable[..., Any]] | None,
+) -> dict[str, float]:
+    """``validate`` (``prefix="val"``) or ``test``: the metrics reduced over every rank."""
+    plan = strategies.resolve(trainer.strategy, trainer.devices)
+    if plan.launch:
+        kwargs = {"ckpt_path": ckpt_path, "loss_fn": loss_fn, "metrics": metrics}
+        method = "validate" if prefix == "val" else "test"
+        result: dict[str, float] = launch.run_method(trainer, plan, method, model, (data,), kwargs)
+        trainer.callback_metrics.update(result)
+        return result
+    loader, precision, sharded = _prepare(trainer, model, data, ckpt_path)
+    sums = _evaluate.evaluate(
+        model,
+        loader,
+        device=trainer.device,  # type: ignore[arg-type]
+        precision=precision,
+        loss_fn=loss_fn,
+        metric_fns=dict(metrics or {}),
+        lockstep=sharded,
+        prefix=prefix,
+    )
+    if not sums:
+        raise ValueError(
+            f"{type(model).__name__} gave no {prefix} metric: pass loss_fn=... (and metrics=...), give "
+            f"the model a {'validation' if prefix == 'val' else 'test'}_step(batch, batch_idx) returning "
+            f"a dict of metrics, or let its forward take the target and return the loss."
+        )
+    result = reduce_metrics(sums)  # one collective for every metric
+    trainer.callback_metrics.update(result)
+    return result
+
+
+@torch.no_grad()
+def predict(
+    trainer: Trainer,
+    model: nn.Module,
+    data: Any,
+    *,
+    ckpt_path: str | os.PathLike[str] | None,
+    all_ranks: bool,
+) -> Any:
+    """Every sample's prediction once, in dataset order, on the main process (or every rank)."""
+    plan = strategies.resolve(trainer.strategy, trainer.devices)
+    if plan.launch:
+        if all_ranks:
+            raise ValueError(
+                "predict(all_ranks=True) returns the predictions on every rank, but outside a launcher "
+                "this process is the only one left when they come back; use all_ranks=False here, or "
+                "start the script with torchrun."
+            )
+        kwargs = {"ckpt_path": ckpt_path, "all_ranks": False}
+        return launch.run_method(trainer, plan, "predict", model, (data,), kwargs)
+    # A dataset's samples carry their index, so that the predictions go back into dataset order
+    # whatever the split; a DataLoader given as it is yields its own batches, kept in rank order.
+    indexed = _setup.makes_loader(data)
+    loader, precision, sharded = _prepare(trainer, model, _Indexed(data) if indexed else data, ckpt_path)
+    predict_step = getattr(model, "predict_step", None)
+    was_training = model.training
+    model.eval()
+    repeats = _evaluate.lockstep_repeats(loader) if sharded else 0
+    batches: Iterable[tuple[int, Any]] = enumerate(loader)
+    if repeats:
+        batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
+    outputs: list[Any] = []
+    indices: list[torch.Tensor] = []
+    last: Any = None
+    for batch_idx, batch in batches:
+        if batch_idx >= 0:
+            if indexed:
+                index, batch = batch
+                indices.append(index)
+            batch = last = _to_device(batch, trainer.device)  # type: ignore[arg-type]
+        with precision.autocast():
+            if callable(predict_step):
+                output = predict_step(last, max(batch_idx, 0))
+            elif isinstance(last, torch.Tensor):
+                output = model(last)
+            elif isinstance(last, Mapping):
+                output = model(**last)
+            else:
+                output = model(_model_io.split_batch(last)[0])
+        if batch_idx >= 0:  # a repeat's output is dropped
+            outputs.append(_detached(_without_nones(output)))
+    model.train(was_training)
+    local = _concatenate(outputs)
+    if isinstance(local, list):
+        gathered: Any = [item for part in all_gather_object(local) for item in part]
+    else:
+        gathered = gather_for_metrics(local)
+    order = torch.argsort(gather_for_metrics(torch.cat(indices))) if indexed else None
+    if not (all_ranks or runtime.is_main_process()):
+        return None
+    return gathered if order is None else _reordered(gathered, order)
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """A map-style dataset whose samples come with their index: ``(index, sample)``."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.dataset[index]
+
+
+def _reordered(gathered: Any, order: torch.Tensor) -> Any:
+    if isinstance(gathered, torch.Tensor):
+        return gathered[order.to(gathered.device)]
+    if isinstance(gathered, Mapping):
+        return {key: _reordered(value, order) for key, value in gathered.items()}
+    if isinstance(gathered, tuple):
+        return tuple(_reordered(value, order) for value in gathered)
+    return [gathered[i] for i in order.tolist()]
+
+
+def _without_nones(output: Any) -> Any:
+    """A tuple output without its ``None`` entries (nanoGPT's ``(logits, None)`` without targets);
+    one entry left is the output itself."""
+    if isinstance(output, tuple) and any(item is None for item in output):
+        kept = tuple(item for item in output if item is not None)
+        return kept[0] if len(kept) == 1 else kept
+    return output
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        return {key: _detached(value) for key, value in output.items()}
+    if isinstance(output, (tuple, list)):
+        return type(output)(_detached(value) for value in output)
+    return output
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    """This rank's batch outputs as one: tensors (and the tensors of dicts and tuples) joined along
+    the batch dimension; other outputs as a flat list."""
+    if not outputs:
+        return []
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([out.reshape(-1) if out.dim() == 0 else out for out in outputs])
+    if isinstance(first, Mapping):
+        return {key: _concatenate([out[key] for out in outputs]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(_concatenate([out[i] for out in outputs]) for i in range(len(first)))
+    return [item for out in outputs for item in (out if isinstance(out, list) else [out])]

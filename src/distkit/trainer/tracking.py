@@ -1,0 +1,445 @@
+"""Loggers for experiment trackers: MLflow and Weights & Biases, local and offline by default.
+
+Each logs the run's configuration, the metrics by step and the last checkpoint, from the main
+process only, and continues the same run after a resume with every step logged once
+(``docs/trainer.md``, "Loggers"). The trackers are optional extras (``distkit[mlflow]``,
+``distkit[wandb]``), imported when a logger is made, so ``import distkit`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from distkit import runtime
+from distkit._fs import atomic_open
+from distkit.trainer.loggers import Logger
+
+__all__ = ["MLflowLogger", "WandbLogger"]
+
+_log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+
+class MLflowLogger(Logger):
+    """Parameters, metrics and the last checkpoint in an MLflow run; needs ``distkit[mlflow]``.
+
+    Local (main process only). By default the run lives in a local file store,
+    ``<default_root_dir>/mlruns``: it needs no server, no network and nothing beyond
+    ``mlflow-skinny``. MLflow 3 refuses that store unless ``MLFLOW_ALLOW_FILE_STORE=true``; this
+    logger opts in for its own client only, so set that variable to read the store in another
+    process (``mlflow ui --backend-store-uri ...``, ``mlflow.search_runs``). Any other tracking
+    URI works too: ``sqlite:///runs/mlflow.db`` (needs ``sqlalchemy`` and ``alembic``, which full
+    ``mlflow`` brings) or a tracking server's ``http(s)://`` address. When this logger is the first
+    to import mlflow, MLflow's usage telemetry is off for the process.
+
+    The parameters are what the Trainer gives :meth:`Logger.log_hyperparams`, nested keys joined by
+    dots (``model.hidden``), values as text. Metrics are logged with the optimizer step as their
+    ``step``. At the end of a successful ``fit`` the last checkpoint's path is set as the tags
+    ``distkit.checkpoint`` and ``distkit.checkpoint_step``. The run ends ``FINISHED``, or ``FAILED``
+    when ``fit`` raised.
+
+    A resumed ``fit`` continues the same run: its id is kept in ``mlflow_run.json`` beside the
+    store. A metric is not logged again at a step it already has in the run (the steps after the
+    checkpoint that an interrupted attempt logged; with exact resume their values are the same), and
+    a parameter keeps its first value (MLflow's parameters cannot change; a changed one is warned
+    about). A fresh ``fit`` starts a new run.
+
+    Args:
+        experiment_name: The experiment, created when it does not exist.
+        tracking_uri: Where runs are stored; ``None`` means ``file:<save_dir>/mlruns``.
+        run_name: The run's name (MLflow makes one up when ``None``).
+        tags: Tags set on a new run.
+        save_dir: Directory of ``mlflow_run.json`` and the default store; ``None`` means the
+            Trainer's ``default_root_dir``.
+
+    Attributes:
+        run_id: The MLflow run's id, once ``fit`` has started (on the main process).
+
+    Raises:
+        ImportError: mlflow is not installed.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import CSVLogger, MLflowLogger
+        >>> logger = MLflowLogger("digits", run_name="mlp-lr1e-3")  # doctest: +SKIP
+        >>> trainer = distkit.Trainer(logger=[CSVLogger(), logger], resume="auto")  # doctest: +SKIP
+    """
+
+    _STATE_FILE = "mlflow_run.json"
+
+    def __init__(
+        self,
+        experiment_name: str = "distkit",
+        *,
+        tracking_uri: str | None = None,
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        save_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        # Checked here, on every rank alike, not in setup() on the main process only.
+        _require("mlflow", "MLflowLogger", "mlflow")
+        if not experiment_name:
+            raise ValueError("experiment_name must be a non-empty string, e.g. 'distkit'.")
+        self.experiment_name = experiment_name
+        self.tracking_uri = tracking_uri
+        self.run_name = run_name
+        self.tags = dict(tags or {})
+        self.save_dir = None if save_dir is None else Path(save_dir)
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._logged_through: dict[str, int] = {}  # metric -> last step the run held at setup
+        self._params: dict[str, str] = {}
+
+    def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        directory = self.save_dir or save_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        uri = self.tracking_uri or (directory.resolve() / "mlruns").as_uri()
+        self._client = _mlflow_client(uri)
+        self._logged_through, self._params = {}, {}
+        state_path = directory / self._STATE_FILE
+        run = self._previous_run(state_path, uri) if resume_step is not None else None
+        if run is None:
+            experiment = self._client.get_experiment_by_name(self.experiment_name)
+            experiment_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else self._client.create_experiment(self.experiment_name)
+            )
+            run = self._client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
+        else:
+            self._client.update_run(run.info.run_id, status="RUNNING")
+            self._params = dict(run.data.params)
+            for key in run.data.metrics:
+                history = self._client.get_metric_history(run.info.run_id, key)
+                self._logged_through[key] = max((m.step for m in history), default=-1)
+        self.run_id = run.info.run_id
+        _write_json(state_path, {"tracking_uri": uri, "run_id": self.run_id})
+
+    def _previous_run(self, state_path: Path, uri: str) -> Any:
+        state = _read_json(state_path) or {}
+        if state.get("tracking_uri") != uri or not isinstance(state.get("run_id"), str):
+            _log.warning(
+                "MLflowLogger: resuming, but %s names no run in %s; starting a new MLflow run",
+                state_path,
+                uri,
+            )
+            return None
+        try:
+            return self._client.get_run(state["run_id"])
+        except Exception as err:  # MlflowException: the run was deleted, or the store moved
+            _log.warning(
+                "MLflowLogger: run %s not found (%s); starting a new MLflow run", state["run_id"], err
+            )
+            return None
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        new: list[Any] = []
+        changed: list[str] = []
+        for key, value in _flatten(params).items():
+            text = _as_text(value)[:MAX_PARAM_VAL_LENGTH]
+            if key not in self._params:
+                new.append(Param(key, text))
+                self._params[key] = text
+            elif self._params[key] != text:
+                changed.append(f"{key}: {self._params[key]!r} -> {text!r}")
+        for start in range(0, len(new), MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self.run_id, params=new[start : start + MAX_PARAMS_TAGS_PER_BATCH])
+        if changed:
+            _log.warning(
+                "MLflowLogger: MLflow parameters cannot change, so run %s keeps its first values of: %s",
+                self.run_id,
+                "; ".join(changed),
+            )
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+        now_ms = int(time.time() * 1000)
+        batch = [
+            Metric(key, float(value), now_ms, step)
+            for key, value in metrics.items()
+            if step > self._logged_through.get(key, -1)
+        ]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self.run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        self._client.set_tag(self.run_id, "distkit.checkpoint", path)
+        self._client.set_tag(self.run_id, "distkit.checkpoint_step", str(step))
+
+    def finalize(self) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        failing = _failing()
+        try:
+            self._client.set_terminated(self.run_id, status="FAILED" if failing else "FINISHED")
+        except Exception as err:
+            if not failing:
+                raise
+            # fit's own error is the one to see; this one is only told.
+            _log.warning("MLflowLogger: could not end run %s: %s", self.run_id, err)
+        finally:
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A client belongs to one process: the processes fit() starts get the settings only.
+        return {**self.__dict__, "_client": None}
+
+
+class WandbLogger(Logger):
+    """Parameters, metrics and the last checkpoint in a Weights & Biases run; needs ``distkit[wandb]``.
+
+    Local (main process only). Offline by default: the run is written under
+    ``<save_dir>/wandb/offline-run-<time>-<id>/`` and nothing leaves the machine (no login, no
+    upload; wandb's error reporting is off for the service this logger starts) until you run
+    ``wandb sync <that directory>``. Pass ``mode="online"`` to stream to the server instead.
+
+    The run's config is what the Trainer gives :meth:`Logger.log_hyperparams` (nested as given).
+    Metrics are logged with the optimizer step as wandb's ``step``. At the end of a successful
+    ``fit`` the last checkpoint's path is in the run summary as ``checkpoint`` and
+    ``checkpoint_step``. The run ends with exit code 0, or 1 when ``fit`` raised; wandb's
+    background service is then stopped, unless another wandb run of this process is still open.
+
+    A resumed ``fit`` continues the same run id (``resume="allow"``; offline, each attempt is a
+    new ``offline-run-*`` directory of that id, which ``wandb sync`` uploads to that run oldest
+    first). The id and the last step logged for each metric are kept in ``wandb_run.json``; a
+    metric is not logged again at or below that step (the steps after the checkpoint that an
+    interrupted attempt logged; with exact resume their values are the same), so the attempts hold
+    disjoint, increasing steps. A fresh ``fit`` starts a new run.
+
+    Args:
+        project: The wandb project.
+        name: The run's display name (wandb makes one up when ``None``).
+        entity: The wandb user or team (online mode).
+        tags: Tags of the run.
+        mode: ``"offline"`` or ``"online"``.
+        save_dir: Directory of ``wandb_run.json`` and of wandb's ``wandb/`` folder; ``None`` means
+            the Trainer's ``default_root_dir``.
+        init_kwargs: More keyword arguments for ``wandb.init`` (``group``, ``notes``,
+            ``settings``...).
+
+    Attributes:
+        run: The ``wandb`` run while ``fit`` runs (on the main process), else ``None``.
+
+    Raises:
+        ImportError: wandb is not installed.
+
+    Example:
+        >>> import distkit
+        >>> from distkit.trainer import WandbLogger
+        >>> logger = WandbLogger("digits", name="mlp-lr1e-3")  # doctest: +SKIP
+        >>> trainer = distkit.Trainer(logger=logger, resume="auto")  # doctest: +SKIP
+    """
+
+    _STATE_FILE = "wandb_run.json"
+
+    def __init__(
+        self,
+        project: str = "distkit",
+        *,
+        name: str | None = None,
+        entity: str | None = None,
+        tags: Sequence[str] | None = None,
+        mode: str = "offline",
+        save_dir: str | os.PathLike[str] | None = None,
+        init_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        _require("wandb", "WandbLogger", "wandb")
+        if mode not in ("offline", "online"):
+            raise ValueError(f"mode must be 'offline' or 'online', got {mode!r}.")
+        reserved = {"id", "resume", "dir", "mode", "project", "reinit"} & set(init_kwargs or {})
+        if reserved:
+            raise ValueError(
+                f"init_kwargs must not set {sorted(reserved)}: the logger sets them (pass project= "
+                f"and mode= to the logger, and save_dir= for dir)."
+            )
+        self.project = project
+        self.name = name
+        self.entity = entity
+        self.tags = list(tags or [])
+        self.mode = mode
+        self.save_dir = None if save_dir is None else Path(save_dir)
+        self.init_kwargs = dict(init_kwargs or {})
+        self.run: Any = None
+        self._state_path: Path | None = None
+        self._state: dict[str, Any] = {}
+        self._logged_through: dict[str, int] = {}  # metric -> last step the run held at setup
+
+    def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        import wandb
+
+        directory = self.save_dir or save_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        self._state_path = directory / self._STATE_FILE
+        previous = _read_json(self._state_path) if resume_step is not None else None
+        if previous is not None and not (
+            previous.get("project") == self.project
+            and isinstance(previous.get("run_id"), str)
+            and isinstance(previous.get("steps"), dict)
+        ):
+            previous = None
+        if resume_step is not None and previous is None:
+            _log.warning(
+                "WandbLogger: resuming, but %s names no run of project %r; starting a new wandb run",
+                self._state_path,
+                self.project,
+            )
+        self._logged_through = {str(k): int(v) for k, v in previous["steps"].items()} if previous else {}
+        # wandb reads WANDB_ERROR_REPORTING when it starts its service: offline means nothing
+        # leaves the machine, a crash report included.
+        quiet = _env(WANDB_ERROR_REPORTING="false") if self.mode == "offline" else contextlib.nullcontext()
+        with quiet:
+            self.run = wandb.init(
+                project=self.project,
+                name=self.name,
+                entity=self.entity,
+                tags=self.tags or None,
+                id=previous["run_id"] if previous else None,
+                resume="allow" if previous else None,
+                dir=str(directory),
+                mode=self.mode,
+                # Beside any run the user has open, which a default init would finish.
+                reinit="create_new",
+                **self.init_kwargs,
+            )
+        self._state = {"project": self.project, "run_id": self.run.id, "steps": dict(self._logged_through)}
+        _write_json(self._state_path, self._state)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        # A resumed run may get other values (another world size): the latest ones win.
+        self.run.config.update(json.loads(json.dumps(dict(params), default=str)), allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        fresh = {k: float(v) for k, v in metrics.items() if step > self._logged_through.get(k, -1)}
+        if not fresh:
+            return
+        self.run.log(fresh, step=step)
+        steps = self._state["steps"]
+        steps.update({key: step for key in fresh})
+        assert self._state_path is not None
+        _write_json(self._state_path, self._state)
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        self.run.summary["checkpoint"] = path
+        self.run.summary["checkpoint_step"] = step
+
+    def finalize(self) -> None:
+        if self.run is None:
+            return
+        run, self.run = self.run, None
+        failing = _failing()
+        try:
+            run.finish(exit_code=1 if failing else 0)
+            _stop_wandb_service()
+        except Exception as err:
+            if not failing:
+                raise
+            _log.warning("WandbLogger: could not finish run %s: %s", run.id, err)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "run": None}
+
+
+def _require(module: str, who: str, extra: str) -> None:
+    """Fail early when ``module`` cannot be imported, without importing it (it is slow)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: Python's marker for "import fails"
+        found = False
+    if not found:
+        raise ImportError(
+            f"{who} needs the {module} package, which is not installed: pip install 'distkit[{extra}]'."
+        )
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables the user has not set, for the block only."""
+    added = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _mlflow_client(uri: str) -> Any:
+    if "mlflow" not in sys.modules:
+        # MLflow 3 decides at import whether to send usage telemetry (to its servers, for every
+        # run and log_batch); imported here first, it does not. A program that imported mlflow
+        # itself keeps its own choice (MLFLOW_DISABLE_TELEMETRY, DO_NOT_TRACK).
+        with _env(MLFLOW_DISABLE_TELEMETRY="true"):
+            import mlflow  # noqa: F401
+    from mlflow.tracking import MlflowClient
+
+    # MLflow 3 refuses its file store (in "maintenance mode") unless MLFLOW_ALLOW_FILE_STORE is
+    # set; it reads the variable when it builds the store, which it then caches per URI. Without
+    # sqlalchemy (mlflow-skinny) the file store is the only local one.
+    local = uri.startswith("file:") or "://" not in uri
+    with _env(MLFLOW_ALLOW_FILE_STORE="true") if local else contextlib.nullcontext():
+        return MlflowClient(tracking_uri=uri)
+
+
+def _stop_wandb_service() -> None:
+    """Stop wandb's service process (``wandb-core``) unless another run of this process uses it."""
+    import wandb
+
+    try:
+        from wandb.sdk import wandb_setup
+
+        active = wandb_setup.singleton().most_recent_active_run  # a property in wandb 0.31
+        others = (active() if callable(active) else active) is not None
+    except (ImportError, AttributeError):  # another wandb version: its global run is what we see
+        others = wandb.run is not None
+    if others:
+        return
+    try:
+        wandb.teardown()
+    except SystemExit as err:  # teardown exits when the service reports a failure
+        _log.warning("WandbLogger: wandb's service ended with code %s", err.code)
+
+
+def _failing() -> bool:
+    """Whether ``fit`` is failing: the Trainer calls ``finalize`` in a ``finally`` clause, where
+    the exception on its way up is visible. A clean ``SystemExit`` (preemption) is no failure."""
+    error = sys.exc_info()[1]
+    return error is not None and not (isinstance(error, SystemExit) and error.code in (0, None))
+
+
+def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path) as handle:
+            return dict(json.load(handle))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, state: Mapping[str, Any]) -> None:
+    with atomic_open(path, mode=0o644) as handle:
+        handle.write(json.dumps(dict(state), indent=2, sort_keys=True).encode())

@@ -1,0 +1,418 @@
+"""TrainerCLI: config files, overrides, --print_config, --help, errors, and the config that travels
+with the run (saved once by the main process, logged as hparams, checked on resume and across ranks)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import distkit
+from distkit.errors import DistkitError
+from distkit.trainer import Trainer, _run_config
+from distkit.trainer.config_cli import TrainerCLI
+
+
+class TinyNet(nn.Module):
+    """A two-layer network for 4 features and 2 classes.
+
+    Args:
+        hidden: Width of the hidden layer.
+        dropout: Dropout probability after it.
+    """
+
+    def __init__(self, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def blobs(samples: int = 64, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Two separable classes of points.
+
+    Args:
+        samples: Training samples.
+        seed: Seed of the generator.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 4, generator=generator)
+    y = (x[:, 0] > 0).long()
+    return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
+
+
+QUIET = {"enable_progress_bar": False, "max_epochs": 1, "batch_size": 16}
+
+
+def make_cli(
+    args: list[str], *, run: bool = False, trainer_defaults: dict[str, object] = QUIET, **kwargs: object
+) -> TrainerCLI:
+    return TrainerCLI(
+        TinyNet,
+        blobs,
+        loss_fn=nn.functional.cross_entropy,
+        trainer_defaults=trainer_defaults,
+        args=args,
+        run=run,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def write_yaml(path: Path, data: dict[str, object]) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def test_config_files_merge_in_order_and_command_line_overrides_win(tmp_path: Path) -> None:
+    first = write_yaml(
+        tmp_path / "a.yaml",
+        {"model": {"hidden": 8, "dropout": 0.5}, "trainer": {"max_epochs": 3, "batch_size": 4}},
+    )
+    second = write_yaml(tmp_path / "b.yaml", {"model": {"hidden": 16}, "trainer": {"max_epochs": 7}})
+    cli = make_cli(["--config", first, "-c", second, "--trainer.max_epochs", "9", "--optimizer.lr", "0.5"])
+    assert cli.config.model.hidden == 16  # the later file wins
+    assert cli.config.model.dropout == 0.5  # what only the first file set stays
+    assert cli.trainer.max_epochs == 9  # the command line after the files wins
+    assert cli.trainer.batch_size == 4
+    assert cli.model.net[0].out_features == 16
+    optimizer = cli.optimizer(cli.model.parameters())
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["lr"] == 0.5
+    assert cli.run_config["model"] == {"hidden": 16, "dropout": 0.5}
+    assert cli.run_config["trainer"]["max_epochs"] == 9
+    assert "config" not in cli.run_config
+    assert cli.trainer.run_config == cli.run_config  # type: ignore[attr-defined]
+
+
+def test_optimizer_and_scheduler_are_chosen_by_class_path_with_init_args(tmp_path: Path) -> None:
+    config = write_yaml(
+        tmp_path / "opt.yaml",
+        {
+            "model": {"hidden": 4},
+            "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.25, "momentum": 0.9}},
+            "lr_scheduler": {"class_path": "torch.optim.lr_scheduler.StepLR", "init_args": {"step_size": 3}},
+            "scheduler_interval": "epoch",
+        },
+    )
+    cli = make_cli(["--config", config])
+    optimizer = cli.optimizer(cli.model.parameters())
+    assert type(optimizer) is torch.optim.SGD
+    assert optimizer.defaults["lr"] == 0.25 and optimizer.defaults["momentum"] == 0.9
+    assert cli.lr_scheduler is not None
+    scheduler = cli.lr_scheduler(optimizer)
+    assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 3
+    assert cli.scheduler_interval == "epoch"
+
+
+def test_default_optimizer_may_be_a_partial_and_the_command_line_changes_its_class() -> None:
+    import functools
+
+    default = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.5)
+    cli = make_cli(["--model.hidden", "4"], optimizer=default)
+    assert cli.run_config["optimizer"]["class_path"] == "torch.optim.SGD"
+    assert cli.run_config["optimizer"]["init_args"]["momentum"] == 0.5
+    cli = make_cli(
+        ["--model.hidden", "4", "--optimizer", "Adam", "--optimizer.lr", "0.01"], optimizer=default
+    )
+    assert type(cli.optimizer(cli.model.parameters())) is torch.optim.Adam
+
+
+def test_print_config_prints_the_resolved_yaml_and_exits_before_building(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_yaml(tmp_path / "run.yaml", {"model": {"hidden": 8}, "trainer": {"max_epochs": 3}})
+    root = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(
+            [
+                "--config",
+                config,
+                "--model.hidden",
+                "32",
+                f"--trainer.default_root_dir={root}",
+                "--print_config",
+            ],
+            run=True,
+        )
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"] == {"hidden": 32, "dropout": 0.0}
+    assert printed["trainer"]["max_epochs"] == 3
+    assert printed["trainer"]["batch_size"] == 16  # the script's trainer_defaults
+    assert printed["optimizer"]["class_path"] == "torch.optim.AdamW"
+    assert not root.exists()  # nothing was built or trained
+
+
+def test_print_config_prints_on_rank_0_only_under_a_launcher(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launcher = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for name, value in {**launcher, "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        make_cli(["--model.hidden", "8", "--print_config"])
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):
+        make_cli(["--model.hidden", "8", "--print_config"])
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["hidden"] == 8
+
+
+def test_help_lists_every_option_with_type_default_and_docstring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option description: no wrapping to search across
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for name in inspect.signature(Trainer.__init__).parameters:
+        if name not in ("self", "run_config", "config"):
+            assert f"--trainer.{name} " in text, name
+    for option in ("--model.hidden", "--model.dropout", "--data.samples", "--data.seed", "--optimizer"):
+        assert option in text
+    assert "--lr_scheduler" in text and "--scheduler_interval" in text and "--print_config" in text
+    assert "Width of the hidden layer. (required, type: int)" in text  # the model's docstring
+    assert "Epochs to train" in text and "(type: int | null, default: null)" in text  # the Trainer's
+    assert "Samples per batch on each rank" in text and "(type: int, default: 16)" in text  # a default
+    assert "Training samples. (type: int, default: 64)" in text  # the data function's
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors: the key, the value, the expected type
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "expected"),
+    [
+        (
+            ["--model.hidden", "4", "--model.hiden", "8"],
+            None,
+            [
+                "unknown key model.hiden",
+                "'8'",
+                "Did you mean model.hidden?",
+                "model accepts: dropout, hidden",
+            ],
+        ),
+        (
+            ["--model.hidden", "4"],
+            {"trainer": {"max_epoch": 5}},
+            ["unknown key trainer.max_epoch", "(given 5)", "Did you mean trainer.max_epochs?", "bad.yaml"],
+        ),
+        (
+            ["--model.hidden", "4", "--optimizer.lrr", "0.1"],
+            None,
+            ["unknown key optimizer.lrr", "'0.1'", "Did you mean optimizer.lr?", "weight_decay"],
+        ),
+        (
+            ["--model.hidden", "four"],
+            None,
+            ["model.hidden: expected int, got 'four'", "--model.hidden VALUE"],
+        ),
+        (
+            ["--model.hidden", "4"],
+            {"trainer": {"max_epochs": "many"}},
+            ["trainer.max_epochs: expected int | None, got 'many'"],
+        ),
+        (
+            ["--model.hidden", "4", "--optimizer.lr", "fast"],
+            None,
+            ["optimizer.lr: expected float", "got 'fast'"],
+        ),
+        (
+            [],
+            None,
+            ["missing required value model.hidden (type int, no default)", "--model.hidden VALUE"],
+        ),
+    ],
+    ids=[
+        "unknown-cli",
+        "unknown-in-file",
+        "unknown-init-arg",
+        "wrong-type-cli",
+        "wrong-type-in-file",
+        "wrong-type-init-arg",
+        "missing",
+    ],
+)
+def test_bad_input_names_the_key_the_value_and_what_was_expected(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    config: dict[str, object] | None,
+    expected: list[str],
+) -> None:
+    if config is not None:
+        args = [*args, "--config", write_yaml(tmp_path / "bad.yaml", config)]
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " in err
+    for part in expected:
+        assert part in err, (part, err)
+
+
+def test_a_config_file_that_is_missing_or_not_yaml_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [\n")
+    for path, expected in ((tmp_path / "nope.yaml", "No such file"), (broken, "not valid YAML")):
+        with pytest.raises(SystemExit) as exit_info:
+            make_cli(["--model.hidden", "4", "--config", str(path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and expected in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# The config travels with the run
+
+
+def run_args(root: Path, *extra: str) -> list[str]:
+    return [f"--trainer.default_root_dir={root}", "--model.hidden", "4", *extra]
+
+
+def test_fit_saves_the_resolved_config_and_hparams_is_the_full_config(tmp_path: Path) -> None:
+    cli = make_cli(run_args(tmp_path, "--trainer.seed", "3"), run=True)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved == cli.run_config
+    assert set(saved) >= {"model", "data", "optimizer", "lr_scheduler", "trainer"}
+    assert saved["trainer"]["seed"] == 3 and saved["trainer"]["max_steps"] is None  # nulls kept
+    hparams = json.loads((tmp_path / "hparams.json").read_text())
+    assert hparams["model"] == {"hidden": 4, "dropout": 0.0}
+    assert hparams["data"] == {"samples": 64, "seed": 0}
+    assert hparams["optimizer"]["class_path"] == "torch.optim.AdamW"
+    assert hparams["run"]["world_size"] == 1 and hparams["run"]["effective_batch_size"] == 16
+    # The saved file is a config file: it runs the same configuration again.
+    again = make_cli(["--config", str(tmp_path / "config.yaml")])
+    assert again.run_config == cli.run_config
+
+
+def test_seed_makes_the_initial_weights_the_same_in_every_run() -> None:
+    first = make_cli(["--model.hidden", "4", "--trainer.seed", "7"]).model.state_dict()
+    second = make_cli(["--model.hidden", "4", "--trainer.seed", "7"]).model.state_dict()
+    other = make_cli(["--model.hidden", "4", "--trainer.seed", "8"]).model.state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_resume_with_a_changed_trainer_option_warns_and_saves_the_new_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_cli(run_args(tmp_path), run=True)
+    with caplog.at_level(logging.WARNING, logger="distkit.trainer"):
+        cli = make_cli(run_args(tmp_path, "--trainer.resume", "auto", "--trainer.max_epochs", "2"), run=True)
+    assert cli.trainer.current_epoch == 2  # it resumed and trained the second epoch
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "trainer.max_epochs: 1 -> 2" in warning
+    assert "resume" not in warning.split("\n", 1)[1]  # trainer.resume itself is not a change
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["trainer"]["max_epochs"] == 2
+
+
+def test_resume_with_a_changed_model_is_refused_naming_keys_values_and_fix(tmp_path: Path) -> None:
+    make_cli(run_args(tmp_path), run=True)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(DistkitError) as err_info:
+        make_cli(
+            [
+                f"--trainer.default_root_dir={tmp_path}",
+                "--model.hidden",
+                "8",
+                "--optimizer",
+                "SGD",
+                "--trainer.resume",
+                "auto",
+                "--trainer.max_epochs",
+                "2",
+            ],
+            run=True,
+        )
+    message = str(err_info.value)
+    assert "model.hidden: 4 -> 8" in message
+    assert "optimizer.class_path: torch.optim.AdamW -> torch.optim.SGD" in message
+    assert "--model.hidden 4" in message and "--trainer.default_root_dir" in message
+    assert "trainer.max_epochs" not in message  # only what refuses is listed
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["hidden"] == 4
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh_with_the_changed_model(tmp_path: Path) -> None:
+    # A first run that saved no checkpoint left only its config.yaml: nothing to continue.
+    make_cli(run_args(tmp_path, "--trainer.enable_checkpointing", "false"), run=True)
+    args = [f"--trainer.default_root_dir={tmp_path}", "--model.hidden", "8", "--trainer.resume", "auto"]
+    cli = make_cli(args, run=True)
+    assert cli.trainer.global_step > 0
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["hidden"] == 8
+
+
+# --------------------------------------------------------------------------------------------------
+# Every rank parses the same config (as under torchrun or srun)
+
+
+def parse_and_fit_on_every_rank(root: str, extra_on_rank_1: list[str]) -> tuple[str, int, str]:
+    """Every rank parses its own command line, then fits; which ranks wrote config.yaml."""
+    writes: list[int] = []
+    original = _run_config.write
+
+    def recording_write(path: Path, config: dict[str, object]) -> None:
+        writes.append(distkit.get_rank())
+        original(path, config)
+
+    _run_config.write = recording_write  # type: ignore[assignment]
+    args = [f"--trainer.default_root_dir={root}", "--model.hidden", "4", "--trainer.seed", "0"]
+    if distkit.get_rank() == 1:
+        args += extra_on_rank_1
+    try:
+        cli = make_cli(args, run=True, trainer_defaults={**QUIET, "logger": False})
+    except DistkitError as err:
+        return "error", len(writes), str(err)
+    finally:
+        _run_config.write = original  # type: ignore[assignment]
+    digest = hashlib.sha256(json.dumps(cli.run_config, sort_keys=True).encode()).hexdigest()
+    return "ok", len(writes), digest
+
+
+def test_every_rank_parses_the_same_config_and_only_the_main_process_saves_it(ranks, tmp_path: Path) -> None:
+    results = ranks.run(parse_and_fit_on_every_rank, str(tmp_path), [], world_size=2)
+    assert [r[0] for r in results] == ["ok", "ok"]
+    assert [r[1] for r in results] == [1, 0]  # rank 0 wrote it once, rank 1 never
+    assert results[0][2] == results[1][2]
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest() == results[0][2]
+
+
+def test_ranks_with_different_configs_fail_on_every_rank_naming_the_key(ranks, tmp_path: Path) -> None:
+    # A dropout that differs: DDP's own check of the parameters' shapes would not see it.
+    results = ranks.run(parse_and_fit_on_every_rank, str(tmp_path), ["--model.dropout", "0.5"], world_size=2)
+    for status, writes, message in results:
+        assert status == "error" and writes == 0
+        assert "rank 1: model.dropout = 0.5 (rank 0: 0.0)" in message
+        assert "same command line" in message
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_under_plain_python_fit_starts_the_processes_with_the_config_parsed_once(tmp_path: Path) -> None:
+    # The launching process parsed; the workers get the built objects (the Trainer with its
+    # run_config) by pickle, and their rank 0 saves the config.
+    cli = make_cli(run_args(tmp_path, "--trainer.strategy", "ddp", "--trainer.devices", "2"), run=True)
+    assert cli.trainer.world_size == 2 and cli.trainer.global_step > 0
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == cli.run_config
+    hparams = json.loads((tmp_path / "hparams.json").read_text())
+    assert hparams["run"]["world_size"] == 2 and hparams["trainer"]["devices"] == 2
