@@ -78,6 +78,29 @@ def test_a_launched_world_of_one_gets_a_process_group_for_torch_distributed_call
     assert not torch.distributed.is_initialized()
 
 
+def test_init_waiting_for_a_rank_that_never_joins_names_it_and_gives_up_at_its_timeout(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1 of a 2-process job never calls init (a collective under `if is_main_process():`, a
+    # script that ended early): rank 0 says which rank is missing, at its deadline, not ten minutes on.
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
+        clean_env.setenv(name, value)
+    clean_env.setenv("MASTER_PORT", str(_free_port()))
+    start = time.monotonic()
+    with pytest.raises(
+        distkit.CollectiveTimeoutError, match=r"rank\(s\) \[1\] of this job have not joined"
+    ) as caught:
+        distkit.init(timeout_s=2)
+    assert caught.value.missing_ranks == [1]
+    assert time.monotonic() - start < 10
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_world_of_one_without_a_rendezvous_address_gets_no_process_group(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, MutableMapping
@@ -304,6 +305,40 @@ def _claim_rank(store: dist.Store, env: LaunchEnv) -> None:
     )
 
 
+# How long init() waits for the other ranks silently: past this it says once which ranks have not
+# joined (a rank that never calls init, e.g. a collective under `if is_main_process():`, would
+# otherwise leave this one waiting without a word until the timeout; ten minutes by default).
+_JOIN_QUIET_S = 30.0
+
+
+def _await_ranks(store: dist.Store, env: LaunchEnv, timeout_s: float) -> None:
+    """Wait until every rank of the job has claimed its place; say which have not after
+    ``_JOIN_QUIET_S``, and raise naming them at ``timeout_s``."""
+    keys = [f"claim/{rank}" for rank in range(env.world_size)]
+    start = time.monotonic()
+    warned = False
+    pause = 0.005
+    while not store.check(keys):
+        waited = time.monotonic() - start
+        if (waited >= _JOIN_QUIET_S and not warned) or waited >= timeout_s:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            if not missing:
+                break
+            text = (
+                f"[rank {env.rank}/{env.world_size}] rank(s) {missing} of this job have not joined after "
+                f"{waited:.0f} s. Every rank must reach distkit.init() (and the Trainer's fit, validate, "
+                f"test and predict, which call it): a call under `if is_main_process():` or a rank "
+                f"whose script ended early leaves the others waiting."
+            )
+            if waited >= timeout_s:
+                message = f"{text} Gave up after timeout_s={timeout_s:g}."
+                raise CollectiveTimeoutError(message, missing_ranks=missing, timeout_s=timeout_s)
+            print(f"{text} Waiting up to timeout_s={timeout_s:g} s.", file=sys.stderr, flush=True)
+            warned = True
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
 def _adopt_existing_group(timeout_s: float) -> _Runtime:
     # The user (or another library) called init_process_group; describe it without changing it.
     env = detect_env()
@@ -436,6 +471,7 @@ def init(
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     job_store = dist.PrefixStore(f"distkit-job-{_job_id()}-attempt-{attempt}/", _connect_store(env, timeout))
     _claim_rank(job_store, env)
+    _await_ranks(job_store, env, timeout)
     try:
         dist.init_process_group(
             chosen,
