@@ -539,3 +539,40 @@ def test_a_step_checkpoint_at_a_validated_step_is_ranked_by_the_monitored_metric
     best_step = record.steps[min(range(len(record.losses)), key=record.losses.__getitem__)]
     assert record.steps == [2, 4, 6, 8]
     assert checkpoint.manager.best().endswith(f"step_{best_step:09d}")
+
+
+class StepNet(Net):
+    """A model with its own test_step and predict_step."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        correct = (self(x).argmax(1) == y).sum()
+        return {"test_correct": (correct, len(y))}
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self(x).argmax(1)
+
+
+def test_test_and_predict_use_the_models_own_steps_when_it_has_them(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, data = StepNet(), Blobs(50, seed=2)
+    trainer = quiet(str(tmp_path), max_epochs=1, val_batch_size=8)
+    got = trainer.test(model, data)
+    with torch.no_grad():
+        labels = model(data.data).argmax(1)
+    assert got == {"test_correct": pytest.approx((labels == data.targets).float().mean().item())}
+    assert torch.equal(trainer.predict(model, data), labels)
+    with pytest.raises(ValueError, match="Net gives no val metric: pass loss_fn"):
+        trainer.validate(Net(), data)  # no loss_fn, no validation_step, no target parameter
+
+
+class TrainingStepOnly(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return CE(self(x), y)
+
+
+def test_validate_of_a_model_with_only_a_training_step_says_what_it_needs(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"training_step is not used here\. Pass loss_fn"):
+        quiet(str(tmp_path), max_epochs=1).validate(TrainingStepOnly(), Blobs(20))

@@ -71,7 +71,15 @@ def evaluate(
 
     step_fn = getattr(module, f"{prefix}_step", None) if prefix == "test" else None
     step_fn = step_fn if callable(step_fn) else getattr(module, "validation_step", None)
-    convention = None if callable(step_fn) else _model_io.convention(module, loss_fn)
+    try:
+        convention = None if callable(step_fn) else _model_io.convention(module, loss_fn)
+    except ValueError as err:
+        raise ValueError(
+            f"{type(module).__name__} gives no {prefix} metric: pass loss_fn=... (and metrics=...), give "
+            f"the model a {'test_step or ' if prefix == 'test' else ''}validation_step(batch, batch_idx) "
+            f"returning a dict of metrics, or let its forward take the target (a parameter named "
+            f"{', '.join(_model_io.TARGET_NAMES)}) and return the loss."
+        ) from err
     if convention == "training_step":
         return {}  # a training_step without a validation_step: nothing to measure
     was_training = module.training

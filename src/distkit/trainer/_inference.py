@@ -95,9 +95,10 @@ def evaluate(
     )
     if not sums:
         raise ValueError(
-            f"{type(model).__name__} gave no {prefix} metric: pass loss_fn=... (and metrics=...), give "
-            f"the model a {'validation' if prefix == 'val' else 'test'}_step(batch, batch_idx) returning "
-            f"a dict of metrics, or let its forward take the target and return the loss."
+            f"{type(model).__name__} gives no {prefix} metric: its training_step is not used here. Pass "
+            f"loss_fn=... (and metrics=...), or give the model a "
+            f"{'test_step or ' if prefix == 'test' else ''}validation_step(batch, batch_idx) returning a "
+            f"dict of metrics."
         )
     result = reduce_metrics(sums)  # one collective for every metric
     trainer.callback_metrics.update(result)
