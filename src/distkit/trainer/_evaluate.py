@@ -88,10 +88,7 @@ def evaluate(
     # Validation runs on the unwrapped module: DDP's forward may broadcast buffers (a collective)
     # and evaluation shards may differ in length by a batch. A sharded module's forward is
     # collective (it gathers the parameters): a rank short of a batch repeats its last one.
-    repeats = lockstep_repeats(loader) if lockstep else 0
-    batches: Iterable[tuple[int, Any]] = enumerate(loader)
-    if repeats:
-        batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
+    batches = lockstep_batches(loader, lockstep)
     last: Any = None
     for batch_idx, batch in batches:
         if batch_idx < 0:  # a repeat: the forward pass only, its results dropped
@@ -137,6 +134,17 @@ def evaluate(
                 add(f"{prefix}_{name}", fn(output, target), size)
     module.train(was_training)
     return {name: (total, count) for name, (total, count) in sums.items()}
+
+
+def lockstep_batches(loader: Any, lockstep: bool) -> Iterable[tuple[int, Any]]:
+    """``enumerate(loader)``, followed under ``lockstep`` by ``(-1, None)`` for each forward pass
+    this rank repeats so that every rank runs as many (:func:`lockstep_repeats`). Collective under
+    ``lockstep``, else local."""
+    batches: Iterable[tuple[int, Any]] = enumerate(loader)
+    repeats = lockstep_repeats(loader) if lockstep else 0
+    if repeats:
+        batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
+    return batches
 
 
 def lockstep_repeats(loader: Any) -> int:

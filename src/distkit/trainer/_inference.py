@@ -10,9 +10,8 @@ Outside a launcher, a multi-process strategy starts its processes as ``fit`` doe
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,10 +45,7 @@ def _prepare(
     """Join the job, put the model on this rank's device (loading ``ckpt_path``), and load ``data``.
     Collective under a launcher (the process group)."""
     plan = strategies.resolve(trainer.strategy, trainer.devices)
-    if plan.world_size > 1 and not runtime.is_initialized():
-        local_rank = runtime.get_env().local_rank
-        explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
-        runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
+    _setup.join_job(plan)
     trainer.world_size = runtime.get_world_size()
     trainer.device = device = plan.device()
     sharded = _is_sharded(model)
@@ -132,10 +128,7 @@ def predict(
     predict_step = getattr(model, "predict_step", None)
     was_training = model.training
     model.eval()
-    repeats = _evaluate.lockstep_repeats(loader) if sharded else 0
-    batches: Iterable[tuple[int, Any]] = enumerate(loader)
-    if repeats:
-        batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
+    batches = _evaluate.lockstep_batches(loader, sharded)
     outputs: list[Any] = []
     indices: list[torch.Tensor] = []
     last: Any = None

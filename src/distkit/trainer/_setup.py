@@ -30,6 +30,7 @@ from distkit.trainer.precision import Precision
 from distkit.trainer.progress import _default_progress, _ProgressBar
 
 if TYPE_CHECKING:
+    from distkit.trainer import strategies
     from distkit.trainer.trainer import Trainer
 
 __all__: list[str] = []
@@ -45,9 +46,7 @@ def setup(
     plan = trainer._plan
     assert plan is not None  # fit() sets it first
     if plan.world_size > 1:
-        local_rank = runtime.get_env().local_rank
-        explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
-        runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
+        join_job(plan)
         # From here on a rank that waits too long is reported (the set-up's own collectives
         # included: the checkpoint claim, the resume's gathers).
         trainer._restore_hang = runtime._watch_fit(trainer, trainer.hang_timeout_s, trainer.default_root_dir)
@@ -134,6 +133,15 @@ def setup(
     ]
     for cb in trainer._active_callbacks:
         cb.on_fit_start(trainer)
+
+
+def join_job(plan: strategies._Plan) -> None:
+    """Join the process group of a multi-process plan, on this rank's device (idempotent: a
+    second call with the same options returns at once). Collective; nothing for one process."""
+    if plan.world_size > 1:
+        local_rank = runtime.get_env().local_rank
+        explicit = torch.device("cuda", plan.cuda_indices[local_rank]) if plan.cuda_indices else None
+        runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
 
 
 def on_failure(trainer: Trainer, err: BaseException) -> None:
