@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
     from distkit.runtime import (
         DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
         HANG_EXIT_CODE as HANG_EXIT_CODE,
+        PEER_FAILED_EXIT_CODE as PEER_FAILED_EXIT_CODE,
         RankLoggerAdapter as RankLoggerAdapter,
         barrier as barrier,
         get_device as get_device,
@@ -150,6 +151,7 @@ _LAZY: dict[str, str] = {
     "MainProcessError": "distkit.errors",
     "DEFAULT_TIMEOUT_S": "distkit.runtime",
     "HANG_EXIT_CODE": "distkit.runtime",
+    "PEER_FAILED_EXIT_CODE": "distkit.runtime",
     "RankLoggerAdapter": "distkit.runtime",
     "barrier": "distkit.runtime",
     "get_device": "distkit.runtime",

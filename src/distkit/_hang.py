@@ -36,6 +36,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,16 +50,22 @@ from distkit import _hang_report, _hang_where
 from distkit._hang_where import BUSY, WAIT
 from distkit.errors import CollectiveMismatchError, DistkitError
 
-__all__ = ["HANG_EXIT_CODE"]
+__all__ = ["HANG_EXIT_CODE", "PEER_FAILED_EXIT_CODE"]
 
 #: Exit code of every rank after a hang report: ``timeout(1)``'s code for "timed out".
 HANG_EXIT_CODE = 124
+#: Exit code of a rank that only waited for another rank which failed (raised, or died): the
+#: failing rank exits with its own code, first, so that launchers name it as the root cause.
+PEER_FAILED_EXIT_CODE = 125
 ENV_TIMEOUT = "DISTKIT_HANG_TIMEOUT_S"
 ENV_RUN_DIR = "DISTKIT_RUN_DIR"
 # "auto" (the Trainer's default): never below five minutes, else ten times the slowest step seen
 # so far. A wait that long is no imbalance between healthy ranks: their steps take the same time.
 AUTO_FLOOR_S = 300.0
 AUTO_MULTIPLE = 10.0
+# The shortest watchdog timeout accepted: below it, an ordinary wait (a rank a moment late, a
+# distkit collective before its first check) would end a healthy job.
+MIN_TIMEOUT_S = 1.0
 # A distkit collective still pending after this long asks where the others are. Healthy ones take
 # about a millisecond here (FACTS.md); a rank one second late costs one query of the store.
 FIRST_CHECK_S = 1.0
@@ -78,6 +85,13 @@ _FOLLOW_S = 60.0
 # How long the reporter waits for the other ranks to exit before it exits itself (so that a
 # launcher which kills the survivors of a failed rank sees every rank end alike).
 _EXITS_S = 3.0
+# How long the reporter waits for a rank that raised to end its process before the waiting ranks
+# exit: launchers (torchrun, mp.spawn, Trainer's self-launch) name the first process to end as the
+# root cause. A rank that raised ends within a second here; more is a rank stuck in its clean-up.
+_CAUSE_EXIT_S = 5.0
+# How long a rank that raised and hosts the store waits for another rank to start the report: the
+# others' collectives fail within about 0.3 s of its groups closing (FACTS.md).
+_LINGER_START_S = 3.0
 # A watchdog that woke this much later than asked was suspended with its process (SLURM suspends a
 # job with SIGSTOP): the time it was stopped is not time spent waiting.
 _GAP_S = 5.0
@@ -125,7 +139,7 @@ def _from_environment() -> float | str | _Unset | None:
             f"{ENV_TIMEOUT}={raw!r} is not a number of seconds: set it to a number > 0 (e.g. 60), to "
             f"'auto', or to 0 or 'off' to turn the hang doctor off."
         )
-    return value or None
+    return check_timeout(value, name=ENV_TIMEOUT)
 
 
 def check_timeout(value: object, *, name: str = "hang_timeout_s") -> float | str | None:
@@ -140,6 +154,12 @@ def check_timeout(value: object, *, name: str = "hang_timeout_s") -> float | str
         raise TypeError(f"{name} must be a number of seconds, 'auto' or None, got {type(value).__name__}.")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number of seconds >= 0 (0 turns it off), got {value}.")
+    if 0 < value < MIN_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be at least {MIN_TIMEOUT_S:g} s (or 0 to turn the watchdog off), got {value}: "
+            f"a healthy collective can wait that long for a rank that is a moment late, and every rank "
+            f"would be ended for it. Use a few seconds for tests, minutes for training."
+        )
     return float(value) or None
 
 
@@ -165,6 +185,14 @@ def is_transport_failure(exc: BaseException) -> bool:
         return False
     text = str(exc)
     return any(marker in text for marker in _TRANSPORT_MARKERS)
+
+
+def _waited(exc: BaseException) -> bool:
+    """Whether ``exc`` only says that this rank waited for another: a collective that failed
+    because a peer ended (or timed out), or distkit's error explaining one."""
+    return is_transport_failure(exc) or (
+        isinstance(exc, DistkitError) and exc.__cause__ is not None and is_transport_failure(exc.__cause__)
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -214,12 +242,44 @@ def _print(text: str) -> None:
         sys.stderr.flush()
 
 
-def _exit() -> NoReturn:
+def _exit(code: int = HANG_EXIT_CODE) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             if stream is not None:
                 stream.flush()
-    os._exit(HANG_EXIT_CODE)
+    os._exit(code)
+
+
+def exception_note(exc: BaseException) -> str:
+    """``ValueError: bad batch 7`` (the first line of the message, at most 200 characters)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    if text.startswith("[rank ") and "] " in text:  # distkit's own errors name the rank: said already
+        text = text.split("] ", 1)[1]
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def write_elastic_error(message: str, callstack: str, timestamp: int) -> None:
+    """Leave ``message`` in the error file of torch's elastic agent (torchrun, the Trainer's
+    self-launch), when it gave this process one and nothing wrote it yet.
+
+    The agent's report names as root cause the failure with the smallest timestamp, read from
+    this file (else the time it noticed the exit): the rank that raised writes the time it raised,
+    the ranks that only waited for it a later one. The format is torch's ``ErrorHandler``'s.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    data = {
+        "message": {"message": message, "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)}}
+    }
+    with contextlib.suppress(OSError):
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+        os.replace(temporary, path)
 
 
 def _process_state(pid: int) -> str | None:
@@ -346,8 +406,12 @@ class Doctor:
         self.run_dir: str | None = None
         self.watched: int | None = threading.get_ident()
         self._trainer: weakref.ref[Any] | None = None
+        # What distkit's own processes run (a bench worker's configuration), for their reports.
+        self.workload: str | None = None
         # What this rank answers while its watched thread unwinds a failure (set before a roll call).
         self._local_answer: dict[str, Any] | None = None
+        # This rank's own exception, once it is ending with one (see record_failure).
+        self._raised: dict[str, Any] | None = None
         # Threads and their connections.
         self.available = False
         self._responder: threading.Thread | None = None
@@ -383,12 +447,23 @@ class Doctor:
         self._responder = threading.Thread(target=self._respond, name="distkit-hang-responder", daemon=True)
         self._responder.start()
         self.available = True
+        # An uncaught exception ends the job alike with or without the watchdog: the rank that
+        # raised says so first (record_failure), the ranks whose collective then fails report it.
+        if sys.excepthook is not self._hook:
+            self._previous_hook, sys.excepthook = sys.excepthook, self._hook
 
     def stop(self) -> None:
         """Leave: say so in the store (a barrier then names this rank at once), stop the threads."""
         if self._stopping:
             return
+        # Called from shutdown(), also in a `finally:` while an exception ends the script, or at
+        # exit after the traceback of one was printed: that is how this rank ends, not "left".
+        exc = sys.exc_info()[1] or getattr(sys, "last_value", None)
+        if exc is not None:
+            self.record_failure(exc)
         self._apply(None, None, None, self.watched)
+        if sys.excepthook is self._hook:
+            sys.excepthook = self._previous_hook or sys.__excepthook__
         self._stopping = True
         with contextlib.suppress(Exception):
             self.store.set(_key("left", self.rank), json.dumps({"time": time.time()}))
@@ -396,6 +471,26 @@ class Doctor:
             with contextlib.suppress(Exception):
                 self.store.set(_key("wake", self.rank), "stop")
             self._responder.join(_THREAD_STOP_S)
+
+    def linger(self) -> None:
+        """At the exit of a rank that raised and hosts the job's store: report, then end the others.
+
+        The other ranks' collectives fail only when this process has ended (closing its groups
+        does not break them: measured on torch 2.13), and then the store they would ask through
+        is gone with it. So this rank, which knows it is the cause, asks where the others are,
+        prints the report and ends them (they exit with :data:`PEER_FAILED_EXIT_CODE`, after this
+        process), before it exits with its own code.
+        """
+        if not (self.hosts_store and self._raised is not None and self.world_size > 1):
+            return
+        with contextlib.suppress(Exception):
+            store = self._side_store()
+            if int(store.add(_key("report"), 1)) != 1:
+                # Another rank reports: stay until it is done, since it talks through this store.
+                store.wait([_key("bye")], timedelta(seconds=_FOLLOW_S))
+                return
+            answered, _, _, _ = self._report(store, "", self._raised)
+            self._release(store, answered)
 
     def configure(
         self,
@@ -440,10 +535,6 @@ class Doctor:
                     target=self._watch, args=(self._watch_stop,), name="distkit-hang-watchdog", daemon=True
                 )
                 self._watchdog.start()
-                if sys.excepthook is not self._hook:
-                    self._previous_hook, sys.excepthook = sys.excepthook, self._hook
-            elif sys.excepthook is self._hook:
-                sys.excepthook = self._previous_hook or sys.__excepthook__
 
     def _side_store(self) -> Any:
         """A connection for the background threads' short operations (made once)."""
@@ -494,6 +585,8 @@ class Doctor:
         answer: dict[str, Any] = {"rank": rank, "op": "", "note": ""}
         proc: dict[str, Any] = {}
         try:
+            if store.check([_key("raised", rank)]):
+                return json.loads(store.get(_key("raised", rank)))  # type: ignore[no-any-return]
             if store.check([_key("left", rank)]):
                 return {**answer, "kind": "left"}
             if store.check([_key("proc", rank)]):
@@ -548,7 +641,7 @@ class Doctor:
                 pending = [rank for rank in others if rank not in answers]
                 if not pending or now >= deadline:
                     return answers
-                if all(self.absent(store, rank)["kind"] in ("gone", "left") for rank in pending):
+                if all(self.absent(store, rank)["kind"] in ("raised", "gone", "left") for rank in pending):
                     return answers
                 next_scan = now + 0.5
             time.sleep(pause)
@@ -578,7 +671,8 @@ class Doctor:
                     store.add(_key("answered", number), 1)
                 except Exception:
                     continue
-                if request.get("kind") == "hang":
+                if request.get("kind") == "hang" and self._raised is None:
+                    # A rank that raised ends with its own exception and exit code, not the report's.
                     self._follow(store, request.get("from"))
 
     # -- one report, then every rank exits --------------------------------------------------------
@@ -598,57 +692,117 @@ class Doctor:
         try:
             if int(store.add(_key("report"), 1)) != 1:
                 self._follow(store, None, claimed=True)  # another rank reports
-            answers = self.ask(store, "hang", wait_s=_ROLL_CALL_ANSWER_S)
-            answered = len(answers)
-            answers[self.rank] = local
-            for rank in range(self.world_size):
-                if rank not in answers:
-                    answers[rank] = self.absent(store, rank)
-            names = {name for answer in answers.values() for name in (answer.get("seqs") or {})}
-            labels = {
-                name: _hang_where.group_label(name, helper_group=self.helper_group_name) for name in names
-            }
-            hints = [hint] if (hint := _flight_recorder_hint()) else []
-            text, details = _hang_report.build(header, answers, group_labels=labels, hints=hints)
-            directory = self.run_dir or os.environ.get(ENV_RUN_DIR) or os.getcwd()
-            path, error = _hang_report.write(directory, text + "\n" + details)
-            where = (
-                f"every rank's stack is in {path}"
-                if path
-                else f"the report file failed in {directory}: {error}"
-            )
-            _print(f"{text}\n  ({where}; every rank exits with code {HANG_EXIT_CODE})")
-            store.set(_key("done"), json.dumps({"path": path, "from": self.rank}))
+            answered, code, cause, raised = self._report(store, header, local)
         except Exception as err:
+            # A collective that failed because a peer ended, and no store to ask through: the rank
+            # that hosted it (rank 0 without torchrun's agent) has ended, so it failed first.
+            code = PEER_FAILED_EXIT_CODE if local.get("kind") == "failed" else HANG_EXIT_CODE
             place = _hang_report.location_text(local)
-            _print(
-                f"{self.label} distkit: the job is stuck, and the hang doctor's roll call failed "
-                f"({_first_line(err)}). This rank {_hang_report.doing_text(local)}"
-                f"{' at ' + place if place else ''}. Exiting with code {HANG_EXIT_CODE}."
+            gone = (
+                " (the rank that hosted the job's store, rank 0 without torchrun, has ended: it failed "
+                "first, and its own output says why)"
+                if code == PEER_FAILED_EXIT_CODE
+                else ""
             )
-            _exit()
+            _print(
+                f"{self.label} distkit: the hang doctor could not ask the other ranks where they are "
+                f"({_first_line(err)}){gone}. This rank {_hang_report.doing_text(local)}"
+                f"{' at ' + place if place else ''}. Exiting with code {code}."
+            )
+            self._exit_after(code, None, [])
+        self._release(store, answered)
+        self._exit_after(code, cause, raised)
+
+    def _report(
+        self, store: Any, header: str, local: dict[str, Any]
+    ) -> tuple[int, int, str | None, list[list[Any]]]:
+        """Ask every rank where it is, print the report, write it to a file, and tell the others.
+
+        Returns how many ranks will follow it, the exit code of the ranks that waited, the cause
+        (a rank that raised or died) and the ``[host, pid]`` of the ranks that raised.
+        """
+        answers = self.ask(store, "hang", wait_s=_ROLL_CALL_ANSWER_S)
+        # The ranks that will follow the report (a rank that raised ends on its own).
+        answered = sum(1 for answer in answers.values() if answer.get("kind") != "raised")
+        answers[self.rank] = local
+        for rank in range(self.world_size):
+            if rank not in answers:
+                answers[rank] = self.absent(store, rank)
+        names = {name for answer in answers.values() for name in (answer.get("seqs") or {})}
+        labels = {name: _hang_where.group_label(name, helper_group=self.helper_group_name) for name in names}
+        hints = [hint] if (hint := _flight_recorder_hint()) else []
+        cause = _hang_report.cause(answers)
+        code = HANG_EXIT_CODE
+        if cause is not None:
+            # A rank raised or died: that is the news, whatever this rank was waiting for.
+            header, code = cause, PEER_FAILED_EXIT_CODE
+        text, details = _hang_report.build(header, answers, group_labels=labels, hints=hints)
+        directory = self.run_dir or os.environ.get(ENV_RUN_DIR) or os.getcwd()
+        path, error = _hang_report.write(directory, text + "\n" + details)
+        where = (
+            f"every rank's stack is in {path}" if path else f"the report file failed in {directory}: {error}"
+        )
+        ends = (
+            f"the ranks that waited exit with code {code}"
+            if code == PEER_FAILED_EXIT_CODE
+            else f"every rank exits with code {code}"
+        )
+        _print(f"{text}\n  ({where}; {ends})")
+        raised = [[a.get("host"), a.get("pid")] for a in answers.values() if a.get("kind") == "raised"]
+        done = {"path": path, "from": self.rank, "code": code, "cause": cause, "raised": raised}
+        store.set(_key("done"), json.dumps(done))
+        return answered, code, cause, raised
+
+    def _release(self, store: Any, answered: int) -> None:
+        """Wait (briefly) for the ``answered`` ranks that follow the report to say they exit, so that
+        a launcher which kills the rest of a job when one process ends sees every rank end with
+        its own code; then release the rank that hosts the store, which waits for this."""
         with contextlib.suppress(Exception):
-            # Wait (briefly) for the others to exit first, so that a launcher that kills the rest of
-            # a job when one process ends sees every rank end with the same code; then release the
-            # rank that hosts the store, which waits for this.
             end = time.monotonic() + _EXITS_S
             while time.monotonic() < end and int(store.add(_key("exited"), 0)) < answered:
                 time.sleep(0.05)
             store.set(_key("bye"), "1")
             time.sleep(0.2)  # the others said so just before their own os._exit
-        _exit()
+
+    def _exit_after(self, code: int, cause: str | None, raised: list[list[Any]]) -> NoReturn:
+        """Exit with ``code`` once the ranks that raised (``[host, pid]`` pairs) have ended.
+
+        Launchers name the first process to end as the root cause (mp.spawn, and torchrun when no
+        error file says otherwise): the rank that raised ends first, within a bounded wait. A rank
+        that only waited also leaves that in torchelastic's error file.
+        """
+        pids = [pid for host, pid in raised if host == self.host and isinstance(pid, int)]
+        end = time.monotonic() + _CAUSE_EXIT_S
+        while pids and time.monotonic() < end:
+            pids = [pid for pid in pids if _process_state(pid) is None]
+            time.sleep(0.02)
+        if code == PEER_FAILED_EXIT_CODE:
+            # One second later than now: the rank that raised wrote the time it raised (or the
+            # agent takes the time it saw a dead rank end), so the agent names that one first.
+            write_elastic_error(
+                f"{self.label} only waited for the rank that failed. {cause or ''}".strip(),
+                "",
+                int(time.time()) + 1,
+            )
+        _exit(code)
 
     def _follow(self, store: Any, reporter: int | None, *, claimed: bool = False) -> NoReturn:
         """Wait for the reporting rank's report (bounded), say where it is, and exit."""
         if not claimed:
             self._end_here()
+        code, cause, raised = HANG_EXIT_CODE, None, []
         try:
             store.wait([_key("done")], timedelta(seconds=_FOLLOW_S))
             done = json.loads(store.get(_key("done")))
+            code, cause, raised = (
+                int(done.get("code", HANG_EXIT_CODE)),
+                done.get("cause"),
+                done.get("raised", []),
+            )
             path = f"; also in {done['path']}" if done.get("path") else ""
             _print(
                 f"{self.label} distkit: rank {done.get('from')} printed where every rank is (the hang "
-                f"doctor's report{path}). Exiting with code {HANG_EXIT_CODE}."
+                f"doctor's report{path}). Exiting with code {code}."
             )
         except Exception:
             who = f"rank {reporter}" if reporter is not None else "the reporting rank"
@@ -661,7 +815,7 @@ class Doctor:
             if self.hosts_store:
                 # The last to go: the reporter still talks to the store this process hosts.
                 store.wait([_key("bye")], timedelta(seconds=_EXITS_S + 2))
-        _exit()
+        self._exit_after(code, cause, raised)
 
     # -- the watchdog -----------------------------------------------------------------------------
 
@@ -737,28 +891,55 @@ class Doctor:
 
     # -- failures ---------------------------------------------------------------------------------
 
+    def record_failure(self, exc: BaseException) -> None:
+        """This rank is ending with ``exc``: say so where the other ranks look, before anything else.
+
+        Local (one store write). The other ranks' collectives fail as this process ends; their
+        reports then name this rank and ``exc`` as the cause (not "left the job"), and they exit
+        with :data:`PEER_FAILED_EXIT_CODE` after this process has ended. Under torch's elastic
+        agent (torchrun, the Trainer's self-launch) the traceback also goes to the agent's error
+        file, so that its report's root cause is this rank. A collective that failed because
+        another rank ended is not a cause (this rank only waited), nor is ``sys.exit``.
+        """
+        if self._raised is not None or isinstance(exc, SystemExit) or _waited(exc):
+            return
+        frames = _hang_where.traceback_frames(exc.__traceback__)
+        answer = self.where(frames, kind="raised", note=exception_note(exc))
+        del frames
+        answer["time"] = time.time()
+        self._raised = self._local_answer = answer
+        with contextlib.suppress(Exception):
+            self._side_store().set(_key("raised", self.rank), json.dumps(answer))
+        callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        write_elastic_error(f"{self.label} {exception_note(exc)}", callstack, int(answer["time"]))
+
     def _excepthook(
         self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:
         if self._ending:
             self._end_here()  # the other ranks' exits broke this thread's collective: stay quiet
-        local = self._failure_answer(exc, None) if threading.get_ident() == self.watched else None
+        watched = threading.get_ident() == self.watched
+        local = self._failure_answer(exc, None) if watched else None
+        if watched and local is None:
+            self.record_failure(exc)
         previous = self._previous_hook or sys.__excepthook__
         previous(exc_type, exc, tb)  # the traceback first, as Python prints it
         if local is not None:
-            self.on_failure(exc, local=local)
+            self.on_failure(exc, local=local, always=True)
 
     def _failure_answer(self, exc: BaseException, frames: _hang_where.Frames | None) -> dict[str, Any] | None:
-        """This rank's answer after ``exc``, or ``None`` when the doctor leaves ``exc`` alone.
+        """This rank's answer after ``exc``, or ``None`` when ``exc`` is not a collective that
+        failed because another rank ended (or timed out).
 
         Set as what the responder answers from now on: the watched thread is about to leave the
         place where the collective failed (to print a traceback), and a roll call may come first.
         """
-        if self.timeout is None or not self.available or not is_transport_failure(exc):
+        if not self.available or not _waited(exc):
             return None
         if frames is None:
             frames = _hang_where.traceback_frames(exc.__traceback__)
-        local = self.where(frames, kind="failed", note=_first_line(exc))
+        failure = exc.__cause__ if isinstance(exc, DistkitError) and exc.__cause__ is not None else exc
+        local = self.where(frames, kind="failed", note=_first_line(failure))
         self._local_answer = local
         return local
 
@@ -768,15 +949,20 @@ class Doctor:
         *,
         frames: _hang_where.Frames | None = None,
         local: dict[str, Any] | None = None,
+        always: bool = False,
     ) -> None:
-        """A collective raised. With the watchdog on, and the error saying a peer is gone or a
-        collective timed out, report where every rank is and exit; else return.
+        """A collective raised. When the error says a peer is gone (or a collective timed out), and
+        the watchdog is on or ``always`` (the error ends the job: it reached the top of the thread,
+        or ends ``Trainer.fit``), report where every rank is, naming the rank that failed first,
+        and exit; else return (the caller raises, naming the ranks that ended).
 
         ``frames`` is where it happened (default: the exception's traceback, complete when it
         reached the top of the thread).
         """
         if self._ending:
             self._end_here()  # the other ranks' exits broke this thread's collective: stay quiet
+        if self.timeout is None and not always:
+            return
         if local is None:
             local = self._failure_answer(exc, frames)
         if local is None:
@@ -796,7 +982,7 @@ class Doctor:
         for rank in range(self.world_size):
             if rank != self.rank:
                 answer = self.absent(self.store, rank)
-                if answer["kind"] in ("gone", "left"):
+                if answer["kind"] in ("raised", "gone", "left"):
                     ended[rank] = answer
         if not ended:
             return None
@@ -853,7 +1039,7 @@ class Doctor:
                 if answer["kind"] in ("gone", "left"):
                     ended[rank] = answer
                 continue  # silent: maybe late, maybe dead on another host; the watchdog decides
-            if arrived(answer) or behind(answer) or answer.get("kind") == BUSY:
+            if arrived(answer) or behind(answer) or answer.get("kind") == BUSY or self._finishing(answer):
                 continue
             elsewhere[rank] = answer
         if not elsewhere and not ended:
@@ -876,6 +1062,26 @@ class Doctor:
             state.confirm = seen
             return _CONFIRM_S
         self._mismatch(store, key, what, local(), {**elsewhere, **ended}, waited_s)
+
+    def _finishing(self, answer: Mapping[str, Any]) -> bool:
+        """Whether a rank waiting in a collective of torch's (or DDP's all-reduce) is only finishing
+        one that this rank has issued too: on no group that both are in has it issued more.
+
+        Collectives are matched by their count on a group, and this rank has gone past that one,
+        so it will complete: the rank is late (a slow rank at the end of a DDP step on a busy
+        machine), not somewhere this rank can never meet it. A rank that has issued more on some
+        group waits there for this rank, which is not coming. distkit's own collectives are
+        decided by ``arrived``/``behind``.
+        """
+        theirs = answer.get("seqs") or {}
+        if answer.get("kind") != WAIT or answer.get("helper") is not None or not theirs:
+            return False
+        mine = _hang_where.group_seqs()
+        return all(
+            count <= mine[name]
+            for name, count in theirs.items()
+            if name in mine and name != self.helper_group_name
+        )
 
     def _mismatch(
         self,
@@ -902,10 +1108,17 @@ class Doctor:
         here = _hang_report.location_text(local)
         context = local.get("context") or ""
         move = f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""
+        advice = f"A collective must be called by every rank, in the same order: call it on every rank{move}."
+        if local.get("internal"):
+            # Nothing of the user's is on this rank's stack: blaming the user would mislead.
+            work = f" ({self.workload})" if self.workload else ""
+            advice = (
+                f"This is distkit's own code{work}, not yours: its ranks went different ways, a bug "
+                f"in distkit. Please report it with this message."
+            )
         message = (
             f"{op}{' at ' + here if here else ''} waits for {_hang_report.ranks_text(ranks)}, which can "
-            f"never arrive: {'; '.join(where)}. A collective must be called by every rank, in the same "
-            f"order: call it on every rank{move}. See docs/debugging.md."
+            f"never arrive: {'; '.join(where)}. {advice} See docs/debugging.md."
         )
         with contextlib.suppress(Exception):
             store.set(

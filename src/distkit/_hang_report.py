@@ -4,8 +4,9 @@ An answer is a plain dict (it travels as JSON through the job's store): ``rank``
 the :class:`~distkit._hang_where.Location` fields (``kind``, ``op``, ``file``, ``line``, ``context``,
 ``step``, ``stack``), ``seqs`` (operations issued per process group) and ``note``. Besides the
 location kinds, ``kind`` may be ``"failed"`` (this rank's collective raised, ``note`` says what),
-``"left"`` (the rank ran ``distkit.shutdown()``), ``"gone"`` (its process has exited) or
-``"silent"`` (alive, or on another host, but it did not answer).
+``"raised"`` (the rank is ending with an exception of its own, ``note`` says which, ``file`` and
+``line`` where), ``"left"`` (the rank ran ``distkit.shutdown()``), ``"gone"`` (its process has exited)
+or ``"silent"`` (alive, or on another host, but it did not answer).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def state_text(answer: Mapping[str, Any]) -> str:
         return f"waiting in {op}"
     if kind == "failed":
         return f"failed in {op}: {note}"
+    if kind == "raised":
+        return f"raised {note if len(note) <= 80 else note[:77] + '...'}"
     if kind == "busy":
         return f"busy in {op} (not in a collective)"
     if kind == "left":
@@ -61,9 +64,31 @@ def doing_text(answer: Mapping[str, Any]) -> str:
         return "has left the job: distkit.shutdown() ran there (its script ended or called sys.exit)"
     if kind == "silent":
         return f"did not answer: {answer.get('note') or ''}"
-    if kind == "failed":
+    if kind in ("failed", "raised"):
         return state_text(answer)
     return f"is {state_text(answer)}"
+
+
+def cause(answers: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """The report's first line when a rank ended the job by failing: it raised, or its process
+    died. ``None`` when no rank did (the job is stuck, or a rank left without an error)."""
+    raised = [rank for rank in sorted(answers) if answers[rank].get("kind") == "raised"]
+    gone = [rank for rank in sorted(answers) if answers[rank].get("kind") == "gone"]
+    if raised:
+        first = min(raised, key=lambda rank: float(answers[rank].get("time") or 0.0))
+        answer = answers[first]
+        place = location_text(answer)
+        return (
+            f"distkit: rank {first} failed: it raised {answer.get('note')}"
+            f"{' at ' + place if place else ''}. That is the cause; the other ranks only waited for "
+            f"it. Where each rank is:"
+        )
+    if gone:
+        return (
+            f"distkit: {ranks_text(gone)} died: {answers[gone[0]].get('note')}. That is the cause; the "
+            f"other ranks only waited for it. Where each rank is:"
+        )
+    return None
 
 
 def _group_key(answer: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -192,6 +217,11 @@ def _diagnosis(
             shown = ", ".join(f"rank {rank}: {count}" for rank, count in counts.items())
             label = group_labels.get(name, f"group {name!r}")
             lines.append(f"Collectives issued so far on {label}: {shown}.")
+    raised = [rank for rank in sorted(answers) if answers[rank].get("kind") == "raised"]
+    if raised:
+        lines.append(
+            f"{ranks_text(raised)}'s traceback is in its own output (above, or in its launcher's log)."
+        )
     absent = [rank for rank in sorted(answers) if answers[rank].get("kind") in ("gone", "left")]
     if absent:
         lines.append(

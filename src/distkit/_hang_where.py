@@ -98,6 +98,7 @@ class Location:
     step: str | None = None  # "step 124"
     helper: str | None = None  # the distkit collective whose wait is on the stack
     backward: bool = False  # in autograd's backward (a wait only when DDP is in the process)
+    internal: bool = False  # the line shown is distkit's own code, not the user's (a bench worker)
     stack: list[str] = field(default_factory=list)  # outermost first
 
     def to_dict(self) -> dict[str, Any]:
@@ -215,16 +216,28 @@ def quick_kind(frames: Frames) -> str:
 
 
 def _shown_index(frames: Frames) -> int | None:
-    """The frame the report points at: the innermost of the user's code or the Trainer's."""
-    fallback = None
+    """The frame the report points at: the innermost of the user's code or the Trainer's.
+
+    Code run from ``python -c`` (a ``<string>`` frame) that only calls into distkit is distkit's
+    own process (the bench's ranks): its innermost distkit frame that is no wait is shown instead.
+    """
+    fallback = caller = None
     for index, (code, _, _) in enumerate(frames):
         category = _category(code.co_filename)
+        if category == "user" and code.co_filename.startswith("<") and caller is not None:
+            return caller
         if category == "user":
             return index
         if category == "trainer" and os.path.basename(code.co_filename) not in _TRAINER_PASSTHROUGH:
             return index
         if fallback is None and category != "stdlib":
             fallback = index
+        if (
+            caller is None
+            and category == "distkit"
+            and os.sep in os.path.abspath(code.co_filename)[len(_DISTKIT_DIR) :]
+        ):
+            caller = index  # in a package of distkit's (bench/, checkpoint/): what called the wait
     return fallback
 
 
@@ -291,6 +304,7 @@ def locate(frames: Frames, *, has_ddp: Callable[[], bool] | None = None) -> Loca
     if shown is not None:
         code, line, _ = frames[shown]
         where = {
+            "internal": _category(code.co_filename) == "distkit",
             "file": short_path(code.co_filename),
             "line": line,
             "function": code.co_name,

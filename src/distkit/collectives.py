@@ -18,13 +18,14 @@ timeout of :func:`distkit.init`; the early mismatch detection covers distkit's o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
 import pickle
 import reprlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
@@ -270,16 +271,30 @@ def _wait_group(work: Any, what: str, peers: _Peers) -> None:
         ) from err
 
 
+@contextlib.contextmanager
+def _pending(work: Any, group: Any) -> Iterator[None]:
+    """Wait for ``work`` inside this; an error that ends the wait early (a mismatch, a timeout, a
+    signal) while ``work`` is still pending lets the process exit all the same (see
+    :func:`distkit.runtime._abandon`)."""
+    try:
+        yield
+    except BaseException:
+        if not work.is_completed():
+            runtime._abandon(group)
+        raise
+
+
 def _run_on(peers: _Peers, what: str, collective: Any, *args: Any, **kwargs: Any) -> None:
     """Run a collective of ``peers`` on data that lives on ``peers.device``."""
     if peers.device.type != "cpu":
         collective(*args, group=peers.handle, **kwargs)  # NCCL: bounded by the group's timeout
         return
     work = collective(*args, group=peers.handle, async_op=True, **kwargs)
-    if peers.own:
-        _wait(work, what)
-    else:
-        _wait_group(work, what, peers)
+    with _pending(work, peers.handle):
+        if peers.own:
+            _wait(work, what)
+        else:
+            _wait_group(work, what, peers)
 
 
 def _run(what: str, tensor: torch.Tensor, peers: _Peers, collective: Any, *args: Any, **kwargs: Any) -> None:
@@ -291,7 +306,9 @@ def _run(what: str, tensor: torch.Tensor, peers: _Peers, collective: Any, *args:
     """
     if peers.own:
         if tensor.device.type == "cpu":
-            _wait(collective(*args, group=peers.handle, async_op=True, **kwargs), what)
+            work = collective(*args, group=peers.handle, async_op=True, **kwargs)
+            with _pending(work, peers.handle):
+                _wait(work, what)
         else:
             collective(*args, **kwargs)
         return
@@ -302,7 +319,9 @@ def _run(what: str, tensor: torch.Tensor, peers: _Peers, collective: Any, *args:
             f"tensor.to(distkit.get_device()), or make the group with backend='gloo'."
         )
     if tensor.device.type == "cpu":
-        _wait_group(collective(*args, group=peers.handle, async_op=True, **kwargs), what, peers)
+        work = collective(*args, group=peers.handle, async_op=True, **kwargs)
+        with _pending(work, peers.handle):
+            _wait_group(work, what, peers)
     else:
         collective(*args, group=peers.handle, **kwargs)
 

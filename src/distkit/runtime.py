@@ -32,6 +32,7 @@ from distkit.errors import CollectiveTimeoutError, DistkitError
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "HANG_EXIT_CODE",
+    "PEER_FAILED_EXIT_CODE",
     "RankLoggerAdapter",
     "barrier",
     "get_device",
@@ -60,6 +61,8 @@ DEFAULT_TIMEOUT_S = 600.0
 
 #: Exit code of every rank after the hang doctor's report: ``timeout(1)``'s code for "timed out".
 HANG_EXIT_CODE = _hang.HANG_EXIT_CODE
+#: Exit code of a rank that only waited for another rank that failed (raised, or died).
+PEER_FAILED_EXIT_CODE = _hang.PEER_FAILED_EXIT_CODE
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -96,6 +99,27 @@ class _Runtime:
 # The process group is process-wide state in torch itself; this mirrors it and holds nothing else.
 _runtime: _Runtime | None = None
 _atexit_registered = False
+
+
+def _abandon(group: Any) -> None:
+    """Let this process exit although ``group`` has a collective that will never complete.
+
+    Called when an error ends distkit's wait for one of its own collectives while the collective
+    is still pending (a :class:`~distkit.CollectiveMismatchError`, a timeout, a signal). Freeing a
+    gloo group joins its threads, and the one inside that collective waits for the group's whole
+    timeout (ten minutes by default) for peers that will never come: the process could not exit,
+    so its launcher never ended the job (measured on torch 2.13; the group's ``abort()`` and
+    ``shutdown()`` return at once but do not release that thread). So such a group is never
+    freed: one reference to it is leaked on purpose (``destroy_process_group`` still unregisters
+    it, so a later :func:`init` starts afresh). The process then exits at once with its own exit
+    code (a traceback's 1, or what the script passed to ``sys.exit``), and the peers'
+    collectives fail within a second ("Connection closed by peer"), which ends them too. Ending
+    the process from an ``atexit`` hook with ``os._exit`` would also work, but it loses the exit
+    code that the script chose, and runs before other ``atexit`` hooks (an async checkpoint's).
+    """
+    import ctypes  # here: rarely needed, and `import distkit` stays light
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _default_device(env: LaunchEnv) -> torch.device:
@@ -229,6 +253,12 @@ def _connect_store(env: LaunchEnv, timeout_s: float) -> dist.Store:
     return store
 
 
+# How long a port that accepts connections may stay silent before it is judged not to be this job's
+# store (or a store without distkit's rank 0): a real store answers within milliseconds, and a rank
+# of a job whose MASTER_PORT another program holds then fails within this, not timeout_s.
+_SILENT_STORE_S = 15.0
+
+
 def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
     """A client of the store at MASTER_ADDR:MASTER_PORT, or an error within ``timeout_s``.
 
@@ -253,17 +283,32 @@ def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
 
     thread = threading.Thread(target=connect, name="distkit-store-connect", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    start = time.monotonic()
+    while thread.is_alive() and (waited := time.monotonic() - start) < timeout_s:
+        thread.join(min(0.5, timeout_s - waited))
+        # A refused connection is rank 0 not up yet: wait up to timeout_s. A port that accepts and
+        # stays silent this long is not a store (a real one answers within milliseconds).
+        if thread.is_alive() and time.monotonic() - start >= _SILENT_STORE_S and _accepts(env):
+            break
     if "store" in box:
         return box["store"]  # type: ignore[no-any-return]
     if "error" in box:
         raise box["error"]
     raise DistkitError(
         f"[rank {env.rank}/{env.world_size}] MASTER_PORT={env.master_port} on {env.master_addr} "
-        f"accepted the connection but did not answer as a torch.distributed store within {timeout_s:g} s: "
-        f"another program holds the port (rank 0 of this job most likely failed to start its store "
-        f"there). {_port_fix()}"
+        f"accepted the connection but did not answer as a torch.distributed store within "
+        f"{time.monotonic() - start:.0f} s: another program holds the port (rank 0 of this job most "
+        f"likely failed to start its store there). {_port_fix()}"
     )
+
+
+def _accepts(env: LaunchEnv) -> bool:
+    """Whether something listens on MASTER_ADDR:MASTER_PORT (a plain TCP connection, closed)."""
+    try:
+        with socket.create_connection((env.master_addr, env.master_port), timeout=1.0):  # type: ignore[arg-type]
+            return True
+    except OSError:
+        return False
 
 
 def _check_owner(
@@ -271,13 +316,15 @@ def _check_owner(
 ) -> None:
     """Refuse a store that another job's rank 0 hosts (that job's MASTER_PORT is this job's too)."""
     label = f"[rank {env.rank}/{env.world_size}]"
+    # distkit's rank 0 registers right after its store starts, so the key is there at once.
+    wait_s = min(timeout_s, _SILENT_STORE_S)
     try:
-        store.wait([_OWNER_KEY], timedelta(seconds=timeout_s))
+        store.wait([_OWNER_KEY], timedelta(seconds=wait_s))
         owner = json.loads(store.get(_OWNER_KEY))
     except (RuntimeError, ValueError) as err:
         raise DistkitError(
             f"{label} {where} answers as a torch.distributed store, but no distkit rank 0 registered "
-            f"there within {timeout_s:g} s: the store belongs to another program or job. {_port_fix()}"
+            f"there within {wait_s:g} s: the store belongs to another program or job. {_port_fix()}"
         ) from err
     job = mine["job"]
     if owner.get("world_size") != env.world_size or (job != "local" and owner.get("job") != job):
@@ -326,9 +373,11 @@ def _await_ranks(store: dist.Store, env: LaunchEnv, timeout_s: float) -> None:
                 break
             text = (
                 f"[rank {env.rank}/{env.world_size}] rank(s) {missing} of this job have not joined after "
-                f"{waited:.0f} s. Every rank must reach distkit.init() (and the Trainer's fit, validate, "
-                f"test and predict, which call it): a call under `if is_main_process():` or a rank "
-                f"whose script ended early leaves the others waiting."
+                f"{waited:.0f} s. They may still be starting (importing torch and building data take "
+                f"much longer on a busy machine), or never get there: every rank must reach "
+                f"distkit.init() (and the Trainer's fit, validate, test and predict, which call it), "
+                f"and a call under `if is_main_process():` or a rank whose script ended early leaves "
+                f"the others waiting."
             )
             if waited >= timeout_s:
                 message = f"{text} Gave up after timeout_s={timeout_s:g}."
@@ -562,6 +611,10 @@ def shutdown() -> None:
         # interpreter finalization, where freeing it aborts the process ("terminate called without
         # an active exception", pytorch/pytorch#190489). Free such cycles now, while Python is whole.
         gc.collect()
+    if runtime is not None and runtime.doctor is not None:
+        # A rank that raised and hosts the store: the others, whose collectives now fail, report
+        # through it that this rank is the cause.
+        runtime.doctor.linger()
 
 
 def is_initialized() -> bool:
@@ -1043,12 +1096,18 @@ def _watch_fit(trainer: Any, hang_timeout_s: float | str | None, run_dir: Any) -
     return doctor.configure(timeout, run_dir=run_dir, trainer=trainer, watched=threading.get_ident())
 
 
-def _on_collective_failure(err: BaseException) -> None:
-    """A collective of the watched thread raised: the hang doctor reports and exits if it is on and
-    a rank is gone; otherwise nothing happens and the caller re-raises."""
+def _on_failure(err: BaseException) -> None:
+    """``err`` ends ``Trainer.fit`` (or validate, test, predict) on this rank.
+
+    When it is this rank's own error, the other ranks learn it first (they name this rank as the
+    cause); the caller re-raises. When it is a collective that failed because another rank ended,
+    the hang doctor reports where every rank is, naming that rank, and this rank exits with
+    :data:`~distkit.PEER_FAILED_EXIT_CODE` (or 124 when no rank failed: the job was stuck).
+    """
     doctor = _doctor()
     if doctor is not None:
-        doctor.on_failure(err)
+        doctor.record_failure(err)
+        doctor.on_failure(err, always=True)
 
 
 def _doctor(runtime: _Runtime | None = None) -> _hang.Doctor | None:

@@ -64,6 +64,11 @@ def measure_config(
     """
     workload = _workload(spec)
     device = runtime.get_device()
+    doctor = runtime._doctor()
+    if doctor is not None:  # a report from these ranks names what they measure, not "your code"
+        doctor.workload = (
+            f"distkit bench: workload {spec!r}, {strategy} on {world_size} ranks, batch {batch_size}"
+        )
     loss_fn = workload.compute_loss or default_loss
     model = copy.deepcopy(workload.model).to(device)
     samples = batch_size

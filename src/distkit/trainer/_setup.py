@@ -146,9 +146,9 @@ def join_job(plan: strategies._Plan) -> None:
 
 def on_failure(trainer: Trainer, err: BaseException) -> None:
     """What a failed ``fit`` does before its error goes on."""
-    # A collective that failed because a rank is gone: with the hang doctor on, one report of
-    # where every rank is, and every rank exits (docs/debugging.md); else it goes on.
-    runtime._on_collective_failure(err)
+    # This rank's own error: the other ranks learn it first. A collective that failed because a
+    # rank ended: one report of where every rank is, naming that rank, and this rank exits.
+    runtime._on_failure(err)
     # A failed fit lets go of the checkpoint directory now, without waiting on ranks that may be
     # gone (a successful one closes it in ModelCheckpoint.on_fit_end).
     checkpoint = trainer._checkpoint_callback()

@@ -218,6 +218,10 @@ def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
     for rank in failure.failures:
         with contextlib.suppress(*unreadable), open(os.path.join(errors, f"rank{rank}.pkl"), "rb") as report:
             reports[rank] = pickle.load(report)
+    if first not in reports and reports:
+        # The agent names the first process to end; a rank that raised left a report, and a rank
+        # that only waited for it did not (it exits with PEER_FAILED_EXIT_CODE or the hang code).
+        first = min(reports, key=lambda rank: failure.failures[rank].timestamp)
     if first not in reports:
         return failure  # type: ignore[no-any-return]
     error, summary, trace = reports[first]
