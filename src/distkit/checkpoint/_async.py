@@ -3,21 +3,26 @@
 With ``async_save=True`` the training thread only copies the state to CPU memory; a writer thread
 (rank 0's, or every rank's in a sharded save) writes and commits it, then runs retention and tells
 the other ranks through the save's handshake. :class:`_Pending` is that save until every rank has
-settled it (at the next ``save()`` or ``wait()``), and interpreter exit waits for its thread and
-prints a failure nobody saw. When to start a save and when to wait stays the manager's concern.
+settled it (at the next ``save()`` or ``wait()``), and interpreter exit waits for its thread, prints
+a failure nobody saw and makes the exit status 1 (issue 22). When to start a save and when to wait
+stays the manager's concern.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
+import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from distkit import runtime
 from distkit._secrets import redact_url
 from distkit.checkpoint._commit import _Handshake
 from distkit.checkpoint._errors import _label
@@ -27,7 +32,7 @@ from distkit.checkpoint._sharded import _start_async_sharded
 from distkit.checkpoint._state import _check_loadable, _collect, _to_cpu
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the exit registry removes this very save
 class _Pending:
     """The save in flight: its writer thread (rank 0; every rank in a sharded save) and the handshake
     every rank settles."""
@@ -40,6 +45,8 @@ class _Pending:
     error: BaseException | None = None
     # The error was already raised in save() on this rank; wait() only settles the handshake.
     raised: bool = False
+    # "[rank R/W]" when the save started: at interpreter exit the process group may be gone.
+    label: str = field(default_factory=_label)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,11 +149,19 @@ def _start_sharded_writer(
 
 
 _live_managers: weakref.WeakSet[Any] = weakref.WeakSet()  # CheckpointManagers
+# Saves in flight that no wait() has settled, with their manager's directory and timeout. Strong
+# references: a manager garbage collected while its save ran (a local of a function that returned)
+# must still have that save's failure reported at exit.
+_unsettled: list[tuple[_Pending, str, float]] = []
 _atexit_registered = False
+
+# The exit status of a process whose background save failed unseen: 1, what Python itself returns
+# for an uncaught exception, so torchrun, schedulers and shells treat the run as failed the same way.
+_EXIT_STATUS_SAVE_FAILED = 1
 
 
 def _watch_at_exit(manager: Any) -> None:
-    """At interpreter exit, wait for ``manager``'s save in flight and print a failure nobody saw."""
+    """At interpreter exit, report ``manager``'s save in flight if it failed, and release its lock."""
     global _atexit_registered
     _live_managers.add(manager)
     if not _atexit_registered:
@@ -154,19 +169,62 @@ def _watch_at_exit(manager: Any) -> None:
         _atexit_registered = True
 
 
+def _track(pending: _Pending, *, directory: str, timeout_s: float) -> None:
+    """``pending`` is in flight until :func:`_settle`; interpreter exit reports it if it failed."""
+    _unsettled.append((pending, directory, timeout_s))
+
+
+def _settle(pending: _Pending) -> None:
+    """Every rank has learned ``pending``'s outcome (``wait()``): nothing is left to report at exit."""
+    _unsettled[:] = [entry for entry in _unsettled if entry[0] is not pending]
+
+
+def _failed_unseen_message(pending: _Pending, error: BaseException, directory: str) -> str:
+    return (
+        f"distkit: {pending.label} the background save of step {pending.step} to "
+        f"{redact_url(pending.path)} failed and nothing waited for it before the process ended: "
+        f"{type(error).__name__}: {error}\n"
+        f"  Step {pending.step} was not saved; the checkpoints committed before it in "
+        f"{redact_url(directory)} are untouched (CheckpointManager.latest() picks the newest to resume "
+        f"from). Fix the cause above, and call manager.wait() (or close()) before the script ends to get "
+        f"this error where it happens; this process exits with status {_EXIT_STATUS_SAVE_FAILED}."
+    )
+
+
 def _finish_at_exit() -> None:
     # Writer threads are not daemons, so the interpreter has already let them finish; what is left
     # is to report a failure nobody will see otherwise. No handshake here: the other ranks may be
-    # gone already.
-    for manager in list(_live_managers):
-        pending = manager._pending
-        if pending is None or pending.thread is None:
+    # gone already (a failure on rank 0 makes rank 0's exit status 1, which torchrun reports).
+    failed = False
+    for pending, directory, timeout_s in list(_unsettled):
+        if pending.thread is None:  # a rank that does not write: rank 0 reports
             continue
-        pending.thread.join(manager.timeout_s)
+        pending.thread.join(timeout_s)
         if pending.error is not None and not pending.raised:
-            print(
-                f"distkit: {_label()} the background save of step {pending.step} to "
-                f"{redact_url(pending.path)} failed: {type(pending.error).__name__}: {pending.error}",
-                file=sys.stderr,
-                flush=True,
-            )
+            failed = True
+            print(_failed_unseen_message(pending, pending.error, directory), file=sys.stderr, flush=True)
+    if not failed:
+        return
+    if getattr(sys, "last_value", None) is not None:
+        # The script ended with an uncaught exception (its traceback is above): the exit status is
+        # 1 already, so the rest of the shutdown runs as usual.
+        return
+    # An atexit handler cannot change the exit status (a SystemExit raised here is ignored): only
+    # os._exit can. It skips what would still run (the atexit handlers registered before this one,
+    # such as distkit.shutdown() registered by init(); finalizers; buffered streams), so first do
+    # what matters of that: release every manager's writer lock (an object-store lease would
+    # otherwise outlive this process), shut distkit's runtime down (the hang doctor stops and the
+    # other ranks learn that this one left), flush the logging handlers and the standard streams.
+    # A script that ended with sys.exit(N) exits 1 instead of N.
+    for manager in list(_live_managers):
+        with contextlib.suppress(Exception):
+            manager._release_lock()
+    with contextlib.suppress(Exception):
+        runtime.shutdown()
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    os._exit(_EXIT_STATUS_SAVE_FAILED)

@@ -5,12 +5,16 @@ directory with their state (committed, partial, corrupt, leftover), ``distkit ch
 PATH`` one checkpoint's manifest, and ``distkit checkpoint consolidate SRC DST`` writes a sharded
 checkpoint as one full checkpoint (:func:`distkit.consolidate_checkpoint`). Called by
 :mod:`distkit.cli`, which parses the arguments without importing torch.
+
+The command never destroys a checkpoint (issue 23): ``consolidate`` writes only to a new or empty
+directory outside every checkpoint, and ``list`` and ``inspect`` of a missing path exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -18,7 +22,7 @@ from distkit._secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._files import _storage_for, _verify
 from distkit.checkpoint._format import _is_sharded_manifest
-from distkit.checkpoint._retention import _StepDirectory
+from distkit.checkpoint._retention import _mislabeled, _StepDirectory
 from distkit.errors import DistkitError
 
 
@@ -81,6 +85,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     storage, directory = _storage_for(args.directory)
+    # A typo must not read as "no checkpoints": a script that checks the exit status would go on.
+    kind = storage.kind(directory)
+    if kind != "dir":
+        what = "does not exist" if kind is None else "is a file, not a directory of checkpoints"
+        print(
+            f"distkit checkpoint: error: {redact_url(directory)} {what}. Pass the directory of a "
+            f"CheckpointManager (the one that holds its step_<N> directories).",
+            file=sys.stderr,
+        )
+        return 1
     rows = []
     for entry in _StepDirectory(storage, directory).entries():
         row: dict[str, Any] = {"step": entry.step, "path": redact_url(entry.path)}
@@ -103,6 +117,10 @@ def _list(args: argparse.Namespace) -> int:
                     bytes=summary["bytes"],
                     metrics=summary["metrics"],
                 )
+                if (step := _mislabeled(entry, manifest)) is not None:
+                    row["status"] = (
+                        f"mislabeled: its manifest says step {step}; latest() and restore() skip it"
+                    )
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -14,6 +14,7 @@ import functools
 import os
 import pickle
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +29,23 @@ from distkit.checkpoint._commit import (
     _resolve_timeout,
 )
 from distkit.checkpoint._errors import CheckpointCorruptError
-from distkit.checkpoint._files import _check_crc, _join, _Storage, _storage_for, _verify
-from distkit.checkpoint._format import _STATE_FILE, _is_sharded_manifest, _manifest_builder, _run_beside
+from distkit.checkpoint._files import (
+    _check_crc,
+    _join,
+    _read_manifest,
+    _RemoteStorage,
+    _Storage,
+    _storage_for,
+    _verify,
+)
+from distkit.checkpoint._format import (
+    _MANIFEST_FILE,
+    _STATE_FILE,
+    _STEP_RE,
+    _is_sharded_manifest,
+    _manifest_builder,
+    _run_beside,
+)
 from distkit.checkpoint._resume import ResumeState
 from distkit.checkpoint._sharded import _load_everything, _restore_sharded, _save_sharded, _use_sharded
 from distkit.checkpoint._state import _check_loadable, _check_state, _collect, _restore
@@ -176,8 +192,14 @@ def _restore_into(
 
 
 def _consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, file_mode: int) -> str:
-    """:func:`distkit.consolidate_checkpoint`: verify ``src``, read it whole, save it full at ``dst``."""
+    """:func:`distkit.consolidate_checkpoint`: verify ``src``, read it whole, save it full at ``dst``.
+
+    ``dst`` must be new (or an empty directory): never ``src``, inside it or inside any other
+    checkpoint, never an existing checkpoint, never a ``step_<N>`` name of another step (issue 23).
+    It is written like every checkpoint: staged and renamed into place (local), manifest last (fsspec).
+    """
     storage, source = _storage_for(src)
+    _check_consolidate_target(storage, source, os.fspath(dst))
     loaded, manifest = _load_verified(storage, source, "cpu")
     full = _restore_into(source, loaded, manifest, None, True, stacklevel=2)
     metrics = manifest.get("metrics") or None
@@ -193,3 +215,97 @@ def _consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, fi
         storage=None,
         sharded=False,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Where consolidate may write: a new directory, never over or inside a checkpoint.
+
+
+def _location(storage: _Storage, path: str) -> tuple[str, str]:
+    """``(protocol, absolute path)`` of ``path``, symlinks resolved locally: equal means the same place."""
+    if isinstance(storage, _RemoteStorage):
+        protocol = storage.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        return str(protocol), "/" + storage.fs._strip_protocol(path).strip("/")
+    return "file", os.path.realpath(path)
+
+
+def _is_inside(inner: tuple[str, str], outer: tuple[str, str]) -> bool:
+    return inner[0] == outer[0] and inner[1].startswith(outer[1].rstrip("/") + "/")
+
+
+def _parents(path: str) -> list[str]:
+    """The directories that hold ``path``, nearest first (local paths resolved, URLs up to the bucket)."""
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        parts = rest.strip("/").split("/")
+        return [f"{scheme}://{'/'.join(parts[:i])}" for i in range(len(parts) - 1, 0, -1)]
+    return [str(parent) for parent in Path(os.path.realpath(path)).parents]
+
+
+def _check_consolidate_target(src_storage: _Storage, source: str, dst: str) -> None:
+    """Refuse a ``dst`` that would replace, nest in or mislabel a checkpoint. Runs before anything is
+    written, and before the source's state is read (only its manifest is).
+
+    Raises:
+        ValueError: ``dst`` is ``source``, inside it or inside another checkpoint, or is named
+            ``step_<N>`` for another step than ``source``'s.
+        FileExistsError: ``dst`` holds a checkpoint, is a non-empty directory, or is a file.
+        FileNotFoundError: Nothing exists at ``source``.
+    """
+    source_step = _read_manifest(src_storage, source)["step"]  # a missing source is named first
+    storage, target = _storage_for(dst)
+    shown = redact_url(target)
+    same_kind = type(storage) is type(src_storage)
+    where, src_where = _location(storage, target), _location(src_storage, source)
+    if same_kind and where == src_where:
+        raise ValueError(
+            f"the destination {shown} is the source checkpoint {redact_url(source)}; writing it would "
+            f"replace the checkpoint being read. Choose a new directory for the full checkpoint."
+        )
+    if same_kind and _is_inside(where, src_where):
+        raise ValueError(
+            f"the destination {shown} is inside the source checkpoint {redact_url(source)}; a checkpoint "
+            f"nested in another one is deleted with it. Choose a new directory outside "
+            f"{redact_url(source)}."
+        )
+    for parent in _parents(target):
+        if storage.kind(_join(parent, _MANIFEST_FILE)) is not None:
+            raise ValueError(
+                f"the destination {shown} is inside the checkpoint {redact_url(parent)}; a checkpoint "
+                f"nested in another one is deleted with it. Choose a new directory outside "
+                f"{redact_url(parent)}."
+            )
+    kind = storage.kind(target)
+    if kind == "file":
+        raise FileExistsError(
+            f"the destination {shown} is a file; consolidate writes a checkpoint directory. Choose a "
+            f"new directory."
+        )
+    contents = storage.contents(target) if kind == "dir" else None
+    if contents and _MANIFEST_FILE in contents:
+        try:
+            step = _read_manifest(storage, target)["step"]
+            which = "no step" if step is None else f"step {step}"
+        except (DistkitError, OSError):
+            which = "its manifest is unreadable"
+        raise FileExistsError(
+            f"the destination {shown} already holds a checkpoint ({which}); consolidate never "
+            f"replaces a checkpoint. Choose a new directory, or delete {shown} first if it is not needed."
+        )
+    if contents:
+        raise FileExistsError(
+            f"the destination {shown} exists and is not empty ({sorted(contents)[:5]}); consolidate "
+            f"writes only into a new or empty directory. Choose a new directory."
+        )
+    remote = "://" in target
+    named = _STEP_RE.match(target.rstrip("/").rpartition("/")[2] if remote else Path(target).name)
+    if named is not None and source_step is not None and int(named.group(1)) != source_step:
+        step_named = int(named.group(1))
+        parent = target.rstrip("/").rpartition("/")[0] if remote else os.path.dirname(os.path.abspath(target))
+        raise ValueError(
+            f"the destination {shown} is named like the checkpoint of step {step_named} but the source "
+            f"holds step {source_step}: a CheckpointManager of {redact_url(parent)} would take it for "
+            f"step {step_named}. Choose a directory that is not named step_<N> (or name it "
+            f"step_{source_step:09d})."
+        )

@@ -22,8 +22,10 @@ from distkit.checkpoint._async import (
     _async_group,
     _full_writer,
     _Pending,
+    _settle,
     _snapshot_on_main,
     _start_sharded_writer,
+    _track,
     _watch_at_exit,
 )
 from distkit.checkpoint._commit import (
@@ -38,7 +40,7 @@ from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorrup
 from distkit.checkpoint._files import _join, _storage_for
 from distkit.checkpoint._io import _load_verified, _restore_into, _save_checkpoint
 from distkit.checkpoint._lock import _LocalWriterLock, _writer_lock_for
-from distkit.checkpoint._retention import _shown_steps, _StepDirectory
+from distkit.checkpoint._retention import _mislabeled, _shown_steps, _skipping_mislabeled, _StepDirectory
 from distkit.checkpoint._sharded import _check_sharded_option, _use_sharded
 from distkit.checkpoint._state import _check_state, _collect
 from distkit.collectives import all_gather_object
@@ -66,7 +68,8 @@ class CheckpointManager:
     With ``async_save=True`` the state is copied to CPU memory (the only stall the training loop
     pays) and written by a background thread; one save is in flight at a time (the next ``save()``
     waits for it), ``wait()`` and interpreter exit wait for it, and a background failure is raised at
-    the next ``save()`` or ``wait()`` on every rank.
+    the next ``save()`` or ``wait()`` on every rank. One that nothing waited for (the script ended
+    first) is printed at exit, and the process exits with status 1.
 
     **Sharded states** (modules with DTensor parameters, as FSDP2's ``fully_shard`` makes them) are
     saved as sharded checkpoints by default: every rank writes its own shards through
@@ -363,16 +366,16 @@ class CheckpointManager:
                 group=self._async_group,
                 on_committed=self._retain,
             )
-            self._pending = pending
+            self._in_flight_now(pending)
             return path
         if not pending.main:
             _collect(state)  # state_dict() may be collective (ResumeState gathers RNG states)
-            self._pending = pending
+            self._in_flight_now(pending)
             return path
         try:
             snapshot = _snapshot_on_main(pending, state)
         except BaseException:
-            self._pending = pending
+            self._in_flight_now(pending)
             raise
         pending.thread = _full_writer(
             self._storage,
@@ -383,9 +386,15 @@ class CheckpointManager:
             guard=self._lock.check,
             on_committed=self._retain,
         )
-        self._pending = pending
+        self._in_flight_now(pending)
         pending.thread.start()
         return path
+
+    def _in_flight_now(self, pending: _Pending) -> None:
+        # Until wait() settles it; interpreter exit reports it if it fails unseen (even once this
+        # manager is garbage).
+        self._pending = pending
+        _track(pending, directory=self.directory, timeout_s=self.timeout_s)
 
     def wait(self) -> None:
         """Block until the save in flight (async mode) is committed; raise if it failed.
@@ -417,6 +426,7 @@ class CheckpointManager:
                     timeout_s=self.timeout_s,
                 )
         self._pending = None
+        _settle(pending)
         if not pending.main:
             if pending.handshake is not None:
                 pending.handshake.settle_other()  # rank 0 names this rank if its shards failed
@@ -440,8 +450,9 @@ class CheckpointManager:
         """The newest committed checkpoint that verifies, or ``None``.
 
         Local: no communication; every rank reads the directory. Checks sizes and checksums (which
-        reads the files), newest step first; partial and corrupt checkpoints are skipped with a
-        warning naming them. Does not wait for a save in flight. A checkpoint with a newer
+        reads the files), newest step first; partial and corrupt checkpoints, and step directories
+        whose manifest names another step (copied or renamed by hand), are skipped with a warning
+        naming them. Does not wait for a save in flight. A checkpoint with a newer
         ``format_version`` than this distkit reads raises instead of being skipped (upgrade distkit).
 
         A ``latest()`` that returns a checkpoint counts as resuming (see :meth:`claim`): the pattern
@@ -487,8 +498,9 @@ class CheckpointManager:
         """Load the newest checkpoint that verifies into ``state``; return its step, or ``None``.
 
         Collective: call on every rank; they load the same step (checked) onto their own devices.
-        Without a process group the one process loads. Corrupt and partial checkpoints are skipped
-        with a warning, falling back to the next older one. Waits for a save in flight first, and
+        Without a process group the one process loads. Corrupt and partial checkpoints, and step
+        directories whose manifest names another step, are skipped with a warning, falling back to
+        the next older one. Waits for a save in flight first, and
         claims the directory as resuming (:meth:`claim`), so a requeued job restores and saves on.
 
         Args:
@@ -550,6 +562,9 @@ class CheckpointManager:
                     f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,
                 )
+                continue
+            if _mislabeled(entry, manifest) is not None:  # as latest(): skipped, see _skipping_mislabeled
+                warnings.warn(_skipping_mislabeled(entry, manifest), stacklevel=3)
                 continue
             self._dir.warn_partials(entries, above=entry.step, in_flight=None)
             _restore_into(entry.path, loaded, manifest, state, strict, stacklevel=2)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from distkit._secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError, _label
@@ -68,7 +70,7 @@ class _StepDirectory:
     ) -> _Entry | None:
         for entry in candidates:
             try:
-                _verify(self.storage, entry.path, checksums=True)
+                manifest = _verify(self.storage, entry.path, checksums=True)
             except FileNotFoundError:
                 continue  # deleted since the listing (retention of the writer): not damage
             except CheckpointCorruptError as err:
@@ -76,6 +78,9 @@ class _StepDirectory:
                     f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,
                 )
+                continue
+            if _mislabeled(entry, manifest) is not None:
+                warnings.warn(_skipping_mislabeled(entry, manifest), stacklevel=3)
                 continue
             self.warn_partials(entries, above=entry.step, in_flight=in_flight)
             return entry
@@ -125,7 +130,7 @@ class _StepDirectory:
                 valid.append(entry)  # committed a moment ago by this process
             else:
                 try:
-                    _verify(self.storage, entry.path, checksums=False)
+                    manifest = _verify(self.storage, entry.path, checksums=False)
                 except FileNotFoundError:
                     continue
                 except (DistkitError, OSError) as err:
@@ -133,6 +138,11 @@ class _StepDirectory:
                     # missing or special file. It may be the only copy of something.
                     reason = err.reason if isinstance(err, CheckpointCorruptError) else str(err)
                     self.warn_kept(entry, f"it cannot be read ({reason})")
+                    continue
+                if _mislabeled(entry, manifest) is not None:
+                    # Not what its name says: neither counted among the newest (a resume skips it)
+                    # nor deleted (it may be the only copy of the step it holds).
+                    self.warn_kept(entry, _mislabeled_reason(entry, manifest))
                     continue
                 valid.append(entry)
         keep = {just_saved}
@@ -209,6 +219,38 @@ class _StepDirectory:
             f"cannot read or did not write; look at it, and delete it by hand if it is not needed.",
             stacklevel=stacklevel,
         )
+
+
+def _mislabeled(entry: _Entry, manifest: Mapping[str, Any]) -> int | None:
+    """The step ``manifest`` names when it is not the one ``entry``'s directory is named for, else None.
+
+    A manifest without a step (``save_checkpoint`` without ``step=``, written into a step directory
+    by hand) names no other step: the directory's name stands, as it always has.
+    """
+    step = manifest.get("step")
+    return step if step is not None and step != entry.step else None
+
+
+def _mislabeled_reason(entry: _Entry, manifest: Mapping[str, Any]) -> str:
+    return (
+        f"its directory is named for step {entry.step} but its manifest says step {manifest['step']} "
+        f"(copied or renamed by hand?)"
+    )
+
+
+def _skipping_mislabeled(entry: _Entry, manifest: Mapping[str, Any]) -> str:
+    # Skipped, not refused (issue 23). Either way the worst outcome, a silent resume that pairs one
+    # step's state with another step's name, cannot happen: nothing of this directory is loaded.
+    # Refusing would stop every requeued job on this directory until a person intervenes (a crash
+    # loop under a scheduler); skipping resumes from the newest checkpoint that is what its name
+    # says, as for a corrupt one, and this warning names the directory, both steps and the fix. The
+    # cost is redone steps, never wrong ones.
+    step = manifest["step"]
+    return (
+        f"{_label()} skipping checkpoint {redact_url(entry.path)}: {_mislabeled_reason(entry, manifest)}. "
+        f"Resuming from it would pair step {step}'s state with step {entry.step}'s position, so an older "
+        f"checkpoint is used. Delete it, or rename it to step_{step:09d} if that name is free."
+    )
 
 
 def _shown_steps(steps: list[int]) -> str:

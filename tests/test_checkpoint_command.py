@@ -1,0 +1,333 @@
+"""`distkit checkpoint` never destroys a checkpoint (issue 23, point 4), and ``latest()`` never resumes
+from a step directory that holds another step.
+
+Every checkpoint here is real, made with the public API in a world of one; the command runs through
+``distkit.cli.main`` in this process, or as the real ``distkit`` executable where the exit status of
+the process itself is the point.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import distkit
+from distkit.cli import main
+
+# What a launcher (torchrun) sets: a process started here must form its own world, not join the
+# session's job.
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def launcher_free_env() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")
+    }
+
+
+def distkit_command(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """The installed ``distkit`` executable (beside this interpreter), in a world of one."""
+    executable = Path(sys.executable).parent / "distkit"
+    env = launcher_free_env()
+    return subprocess.run(
+        [str(executable), *args], capture_output=True, text=True, timeout=180, env=env, **kwargs
+    )
+
+
+def make_run(directory: Path, steps: tuple[int, ...] = (38, 39, 40)) -> dict[int, str]:
+    """A CheckpointManager directory whose step N holds ``w`` = N and ``loss`` = 100 - N."""
+    with distkit.CheckpointManager(directory, keep_last=None) as manager:
+        return {
+            step: manager.save(
+                step, {"w": torch.full((4,), float(step)), "step": step}, {"loss": 100.0 - step}
+            )
+            for step in steps
+        }
+
+
+def snapshot(path: str | Path) -> dict[str, bytes]:
+    """Every file under ``path`` (relative name -> bytes): what 'untouched' compares."""
+    root = Path(path)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def saved_step(path: str | Path) -> int:
+    loaded = distkit.load_checkpoint(path)
+    assert torch.equal(loaded["w"], torch.full((4,), float(loaded["step"])))
+    return int(loaded["step"])
+
+
+# --------------------------------------------------------------------------------------------------
+# consolidate refuses every destination that would replace, nest or mislabel a checkpoint
+
+
+def test_consolidate_onto_another_committed_step_is_refused_and_that_step_stays_intact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_run(tmp_path / "ck")
+    before = snapshot(paths[39])
+    assert main(["checkpoint", "consolidate", paths[40], paths[39]]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"distkit checkpoint: error: the destination {paths[39]} already holds a checkpoint (step 39); "
+        f"consolidate never replaces a checkpoint. Choose a new directory" in err
+    ), err
+    assert snapshot(paths[39]) == before and saved_step(paths[39]) == 39
+    assert distkit.CheckpointManager(tmp_path / "ck").latest() == paths[40]
+
+
+def test_consolidate_onto_an_existing_checkpoint_outside_any_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    export = distkit.save_checkpoint(tmp_path / "export", {"w": torch.full((4,), 7.0), "step": 7}, step=7)
+    before = snapshot(export)
+    assert main(["checkpoint", "consolidate", paths[40], export]) == 1
+    assert f"the destination {export} already holds a checkpoint (step 7)" in capsys.readouterr().err
+    assert snapshot(export) == before
+
+
+def test_consolidate_onto_its_own_source_is_refused_also_through_a_symlink(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    before = snapshot(paths[40])
+    assert main(["checkpoint", "consolidate", paths[40], paths[40]]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"distkit checkpoint: error: the destination {paths[40]} is the source checkpoint {paths[40]}; "
+        f"writing it would replace the checkpoint being read. Choose a new directory" in err
+    ), err
+    alias = tmp_path / "alias"
+    alias.symlink_to(paths[40])
+    assert main(["checkpoint", "consolidate", paths[40], str(alias)]) == 1
+    assert f"the destination {alias} is the source checkpoint {paths[40]}" in capsys.readouterr().err
+    assert snapshot(paths[40]) == before and saved_step(paths[40]) == 40
+
+
+def test_consolidate_into_a_directory_inside_its_source_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    before = snapshot(paths[40])
+    inner = os.path.join(paths[40], "inner")
+    assert main(["checkpoint", "consolidate", paths[40], inner]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"distkit checkpoint: error: the destination {inner} is inside the source checkpoint {paths[40]}; "
+        f"a checkpoint nested in another one is deleted with it. Choose a new directory outside "
+        f"{paths[40]}." in err
+    ), err
+    assert not os.path.lexists(inner) and snapshot(paths[40]) == before
+
+
+def test_consolidate_into_a_directory_inside_another_checkpoint_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_run(tmp_path / "ck", steps=(39, 40))
+    before = snapshot(paths[39])
+    nested = os.path.join(paths[39], "export", "full")
+    assert main(["checkpoint", "consolidate", paths[40], nested]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"the destination {nested} is inside the checkpoint {paths[39]}; a checkpoint nested in another "
+        f"one is deleted with it. Choose a new directory outside {paths[39]}." in err
+    ), err
+    assert snapshot(paths[39]) == before
+
+
+def test_consolidate_into_a_non_empty_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What a killed save leaves: distkit's own state.pt without a manifest. The old rule replaced it.
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"half a state")
+    assert main(["checkpoint", "consolidate", paths[40], str(partial)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"the destination {partial} exists and is not empty (['state.pt']); consolidate writes only into "
+        f"a new or empty directory. Choose a new directory" in err
+    ), err
+    assert (partial / "state.pt").read_bytes() == b"half a state"
+
+
+def test_consolidate_into_a_step_directory_name_of_another_step_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A new step_000000041 beside the run's own checkpoints would resume as step 41 with step 40's state.
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    mislabeled = str(tmp_path / "ck" / "step_000000041")
+    assert main(["checkpoint", "consolidate", paths[40], mislabeled]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"the destination {mislabeled} is named like the checkpoint of step 41 but the source holds step "
+        f"40: a CheckpointManager of {tmp_path / 'ck'} would take it for step 41. Choose a directory "
+        f"that is not named step_<N> (or name it step_000000040)." in err
+    ), err
+    assert not os.path.lexists(mislabeled)
+
+
+def test_consolidate_on_an_object_store_refuses_its_source_a_nested_path_and_a_checkpoint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # fsspec's memory filesystem: one store per process, so the command runs in this process.
+    root = f"memory://consolidate-{uuid.uuid4().hex[:12]}"
+    try:
+        src = distkit.save_checkpoint(f"{root}/step_000000005", {"w": torch.ones(2), "step": 5}, step=5)
+        other = distkit.save_checkpoint(f"{root}/export", {"w": torch.zeros(2), "step": 1}, step=1)
+        assert main(["checkpoint", "consolidate", src, f"{src}/"]) == 1
+        assert f"the destination {src} is the source checkpoint {src}" in capsys.readouterr().err
+        assert main(["checkpoint", "consolidate", src, f"{src}/inner"]) == 1
+        assert f"the destination {src}/inner is inside the source checkpoint {src}" in capsys.readouterr().err
+        assert main(["checkpoint", "consolidate", src, other]) == 1
+        assert f"the destination {other} already holds a checkpoint (step 1)" in capsys.readouterr().err
+        assert distkit.load_checkpoint(other)["step"] == 1 and distkit.load_checkpoint(src)["step"] == 5
+        assert not fsspec.filesystem("memory").exists(f"{src}/inner")
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def test_consolidate_to_a_new_directory_writes_it_whole_or_not_at_all(tmp_path: Path) -> None:
+    big = distkit.save_checkpoint(tmp_path / "big", {"w": torch.ones(2 << 20)}, step=3)  # 8 MiB
+
+    def small_file_limit() -> None:  # a real EFBIG from write(2) past 1 MiB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    export = tmp_path / "exports" / "full"
+    done = distkit_command("checkpoint", "consolidate", big, str(export), preexec_fn=small_file_limit)
+    assert done.returncode == 1, done.stderr
+    assert "EFBIG (File too large) while writing checkpoint" in done.stderr, done.stderr
+    assert not os.path.lexists(export) and os.listdir(tmp_path / "exports") == []  # no half, no debris
+
+    done = distkit_command("checkpoint", "consolidate", big, str(export))
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / "exports") == ["full"]
+    assert torch.equal(distkit.load_checkpoint(export)["w"], torch.ones(2 << 20))
+
+
+def test_consolidate_into_an_existing_empty_directory_still_works(tmp_path: Path) -> None:
+    paths = make_run(tmp_path / "ck", steps=(40,))
+    (tmp_path / "export").mkdir()
+    assert main(["checkpoint", "consolidate", paths[40], str(tmp_path / "export")]) == 0
+    assert saved_step(tmp_path / "export") == 40
+
+
+# --------------------------------------------------------------------------------------------------
+# list and inspect of a missing path fail
+
+
+def test_list_of_a_missing_directory_exits_1_and_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    for extra in ((), ("--json",)):
+        done = distkit_command("checkpoint", "list", str(missing), *extra)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert done.stdout == ""
+        assert (
+            f"distkit checkpoint: error: {missing} does not exist. Pass the directory of a "
+            f"CheckpointManager (the one that holds its step_<N> directories)." in done.stderr
+        ), done.stderr
+
+
+def test_list_of_a_file_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a directory")
+    done = distkit_command("checkpoint", "list", str(tmp_path / "notes.txt"))
+    assert done.returncode == 1
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory of checkpoints" in done.stderr
+
+
+def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path) -> None:
+    done = distkit_command("checkpoint", "list", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"no checkpoints in {tmp_path}"
+
+
+def test_inspect_of_a_missing_path_exits_1_and_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "step_000000040"
+    for extra in ((), ("--json",)):
+        done = distkit_command("checkpoint", "inspect", str(missing), *extra)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert f"checkpoint not found: {missing} does not exist" in done.stderr, done.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# latest() and restore() never resume from a step directory that holds another step
+
+
+def mislabel(paths: dict[int, str], *, copy: int, onto: int) -> None:
+    """Put step ``copy``'s checkpoint under step ``onto``'s name, as a hand-made `cp -r` would."""
+    shutil.rmtree(paths[onto])
+    shutil.copytree(paths[copy], paths[onto])
+
+
+def test_latest_skips_a_step_directory_whose_manifest_names_another_step_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    paths = make_run(tmp_path / "ck")
+    mislabel(paths, copy=40, onto=39)
+    shutil.rmtree(paths[40])  # the newest is gone: latest() falls back past step 39's name
+    manager = distkit.CheckpointManager(tmp_path / "ck")
+    warning = (
+        rf"skipping checkpoint {re.escape(paths[39])}: its directory is named for step 39 but its "
+        rf"manifest says step 40 \(copied or renamed by hand\?\)\. Resuming from it would pair step 40's "
+        rf"state with step 39's position, so an older checkpoint is used\. Delete it, or rename it to "
+        rf"step_000000040 if that name is free\."
+    )
+    with pytest.warns(UserWarning, match=warning):
+        assert manager.latest() == paths[38]
+    with pytest.warns(UserWarning, match=warning):
+        step = manager.restore(state := {"w": torch.zeros(4), "step": None})
+    assert step == 38 and torch.equal(state["w"], torch.full((4,), 38.0))
+    with pytest.warns(UserWarning, match=warning):
+        assert distkit.CheckpointManager(tmp_path / "ck", monitor="loss").best() == paths[38]
+
+
+def test_retention_keeps_a_mislabeled_step_directory_and_does_not_count_it(tmp_path: Path) -> None:
+    paths = make_run(tmp_path / "ck")
+    mislabel(paths, copy=40, onto=39)
+    manager = distkit.CheckpointManager(tmp_path / "ck", keep_last=2)
+    assert manager.restore({"w": torch.zeros(4), "step": None}) == 40  # the newest is sound
+    with pytest.warns(
+        UserWarning,
+        match=rf"retention keeps {re.escape(paths[39])}: its directory is named for step 39 but its "
+        rf"manifest says step 40",
+    ):
+        manager.save(41, {"w": torch.full((4,), 41.0), "step": 41})
+    # Kept: 41 and 40 (the two newest that are what their names say) and the mislabeled 39.
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step_000000039", "step_000000040", "step_000000041"]
+
+
+def test_list_shows_a_mislabeled_step_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = make_run(tmp_path / "ck")
+    mislabel(paths, copy=40, onto=39)
+    assert main(["checkpoint", "list", str(tmp_path / "ck")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split(None, 1) == [
+        "39",
+        "mislabeled: its manifest says step 40; latest() and restore() skip it",
+    ], lines
+    assert "committed" in lines[0] and "committed" in lines[2]
