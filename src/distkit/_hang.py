@@ -456,9 +456,9 @@ class Doctor:
         """Leave: say so in the store (a barrier then names this rank at once), stop the threads."""
         if self._stopping:
             return
-        # Called from shutdown(), also in a `finally:` while an exception ends the script, or at
-        # exit after the traceback of one was printed: that is how this rank ends, not "left".
-        exc = sys.exc_info()[1] or getattr(sys, "last_value", None)
+        # Called from shutdown(), also in a `finally:` while an exception ends the script: that is
+        # how this rank ends, not "left". (An uncaught one reached the excepthook already.)
+        exc = sys.exc_info()[1]
         if exc is not None:
             self.record_failure(exc)
         self._apply(None, None, None, self.watched)
@@ -909,7 +909,9 @@ class Doctor:
         answer["time"] = time.time()
         self._raised = self._local_answer = answer
         with contextlib.suppress(Exception):
-            self._side_store().set(_key("raised", self.rank), json.dumps(answer))
+            # The connection in hand (this thread's): a new one to a store whose host has died
+            # would retry for the store's whole timeout.
+            self.store.set(_key("raised", self.rank), json.dumps(answer))
         callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_elastic_error(f"{self.label} {exception_note(exc)}", callstack, int(answer["time"]))
 

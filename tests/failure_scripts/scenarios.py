@@ -17,6 +17,7 @@ distkit.shutdown()``; ``FAILURE_HANG_TIMEOUT_S`` sets ``hang_timeout_s`` (defaul
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -162,6 +163,14 @@ if __name__ == "__main__":
         import torch.multiprocessing as mp
 
         mp.spawn(_spawned, args=(case, what, directory, os.environ["MASTER_PORT"]), nprocs=2)
+    elif what == "self_launch":
+        # The elastic agent that fit() starts here takes over these signals; fit() puts them back.
+        before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            _job(case, what, directory)
+        finally:
+            after = {signum: signal.getsignal(signum) for signum in before}
+            print(f"signal handlers restored: {after == before}", flush=True)
     else:
         _job(case, what, directory)
     del dist

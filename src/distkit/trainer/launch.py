@@ -22,8 +22,10 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 import types
 import uuid
@@ -164,6 +166,12 @@ def _apply_process_state(state: dict[str, Any]) -> None:
     _restore_process_seeding(state["seeding"])
 
 
+# The signals torch's elastic agent handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_AGENT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
+
+
 def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
     """Run :func:`_worker` on ``nprocs`` local processes; return each rank's return value.
 
@@ -196,12 +204,20 @@ def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
         agent_log = logging.getLogger("torch.distributed.elastic")
         level = agent_log.level
         agent_log.setLevel(logging.CRITICAL)
+        # The agent installs handlers that raise SignalException for SIGTERM, SIGINT, SIGHUP and
+        # SIGQUIT and never puts the previous ones back: Ctrl-C in a notebook after fit() would
+        # raise it in whatever runs next. They are put back here.
+        handlers = {signum: signal.getsignal(signum) for signum in _AGENT_SIGNALS}
         try:
             return elastic_launch(config, _worker)(payload, errors)
         except ChildFailedError as failure:
             raise _worker_error(failure, errors, nprocs) from None
         finally:
             agent_log.setLevel(level)
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in handlers.items():
+                    if handler is not None:  # None: set outside Python, cannot be put back
+                        signal.signal(signum, handler)
 
 
 def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
@@ -215,13 +231,16 @@ def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
     first, _ = failure.get_first_failure()
     reports: dict[int, tuple[BaseException | None, str, str]] = {}
     unreadable = (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError)
-    for rank in failure.failures:
+    # Every rank's report, also of a rank the agent stopped before it noticed its exit (it stops the
+    # others at the first exit it sees, and lists only the ranks that had ended).
+    for rank in range(nprocs):
         with contextlib.suppress(*unreadable), open(os.path.join(errors, f"rank{rank}.pkl"), "rb") as report:
             reports[rank] = pickle.load(report)
     if first not in reports and reports:
-        # The agent names the first process to end; a rank that raised left a report, and a rank
-        # that only waited for it did not (it exits with PEER_FAILED_EXIT_CODE or the hang code).
-        first = min(reports, key=lambda rank: failure.failures[rank].timestamp)
+        # A rank that raised left a report; a rank that only waited for it did not (it exits with
+        # PEER_FAILED_EXIT_CODE, or the hang code), even when it ended first.
+        ended = [rank for rank in reports if rank in failure.failures]
+        first = min(ended, key=lambda rank: failure.failures[rank].timestamp) if ended else min(reports)
     if first not in reports:
         return failure  # type: ignore[no-any-return]
     error, summary, trace = reports[first]
@@ -233,8 +252,8 @@ def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
         for rank in sorted(failure.failures)
         if rank != first
     ]
-    pid = failure.failures[first].pid
-    note = f"raised in fit()'s worker process rank {first}/{nprocs} (pid {pid}):\n{trace}"
+    process = f"pid {failure.failures[first].pid}" if first in failure.failures else "stopped by the launcher"
+    note = f"raised in fit()'s worker process rank {first}/{nprocs} ({process}):\n{trace}"
     if others:
         note += "other failing ranks:\n" + "\n".join(others)
     if not hasattr(error, "add_note"):  # Python 3.10
