@@ -38,6 +38,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
 
 import distkit
+from _launch import launcher_free_env
 from distkit.checkpoint import CheckpointCorruptError, ResumeState
 
 WRITER = pathlib.Path(__file__).parent / "checkpoint_scripts" / "killed_writer.py"
@@ -484,7 +485,7 @@ def test_every_malformed_manifest_is_a_corrupt_checkpoint_never_a_raw_error(tmp_
 
 
 def test_latest_best_and_retention_treat_every_malformed_manifest_as_unreadable(tmp_path) -> None:
-    distkit.save_checkpoint(tmp_path / "template", {"w": torch.ones(2)}, step=2, metrics={"loss": 0.1})
+    distkit.save_checkpoint(tmp_path / "template", {"w": torch.ones(2)}, step=1, metrics={"loss": 0.1})
     good = json.loads((tmp_path / "template" / "manifest.json").read_text())
     for number, (what, raw, refused) in enumerate(manifest_variants(good)):
         if not refused:
@@ -866,7 +867,7 @@ def test_interpreter_exit_waits_for_the_background_save(tmp_path) -> None:
 
 def writer_env() -> dict[str, str]:
     # The writer is a world of one whatever launched pytest.
-    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return launcher_free_env()
 
 
 def run_until_paused(
@@ -877,8 +878,9 @@ def run_until_paused(
     mode: str = "sync",
     markers: tuple[bytes, ...] = (b"PAUSED",),
 ) -> None:
-    """Start the writer (``mode``: ``sync`` or ``async`` saves), wait until it has printed every one
-    of ``markers`` (it pauses at ``point``), then SIGKILL it."""
+    """Start the writer (``mode``: ``sync``, ``async`` or ``async-sharded`` saves), wait until it has
+    printed every one of ``markers`` (it pauses at ``point``), then SIGKILL it. An asynchronous writer
+    that pauses on its training thread, inside ``save()``, fails the test at once."""
     proc = subprocess.Popen(
         [sys.executable, str(WRITER), str(directory), point, str(first), str(last), mode],
         stdout=subprocess.PIPE,
@@ -899,6 +901,12 @@ def run_until_paused(
             if not chunk:
                 pytest.fail(f"writer exited with {proc.wait()} before pausing; output:\n{output.decode()}")
             output += chunk
+            if mode != "sync" and b"PAUSED in MainThread" in output:
+                pytest.fail(
+                    f"the {mode} writer reached the {point!r} point on the training thread, inside "
+                    f"save() (with asynchronous saves that work belongs to the writer thread, after "
+                    f"the commit); output:\n{output.decode()}"
+                )
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -908,9 +916,14 @@ def run_until_paused(
         proc.stdout.close()
 
 
-# The async writer pauses on its background thread; RETURNED shows the training thread's save()
+# The async writers pause on a background thread; RETURNED shows the training thread's save()
 # had already returned, so the kill hits a save that is in flight, not one made synchronously.
-KILLED_WRITERS = {"sync": (b"PAUSED",), "async": (b"PAUSED", b"RETURNED")}
+# async-sharded: the same with sharded checkpoints, whose shards DCP's async_save writes.
+KILLED_WRITERS = {
+    "sync": (b"PAUSED",),
+    "async": (b"PAUSED", b"RETURNED"),
+    "async-sharded": (b"PAUSED", b"RETURNED"),
+}
 
 
 @pytest.mark.parametrize("mode", sorted(KILLED_WRITERS))
@@ -918,7 +931,12 @@ def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_check
     tmp_path, mode
 ) -> None:
     markers = KILLED_WRITERS[mode]
-    # Steps 1-3 committed (keep_last=2 leaves 2 and 3); killed while writing step 4's state.pt.
+
+    def weights(loaded: dict[str, object]) -> object:
+        return loaded["model"]["w"] if mode == "async-sharded" else loaded["w"]  # type: ignore[index]
+
+    # Steps 1-3 committed (keep_last=2 leaves 2 and 3); killed while writing step 4's state.pt (a
+    # sharded save: once its shard file is written).
     run_until_paused(tmp_path, "write", 1, 4, mode, markers)
     assert committed_steps(tmp_path) == ["step_000000002", "step_000000003"]
     assert any(p.name.startswith(".step_000000004.distkit-tmp-") for p in tmp_path.iterdir()), (
@@ -929,15 +947,19 @@ def test_writer_killed_mid_save_or_mid_retention_never_loses_the_last_good_check
         latest = manager.latest()
     assert latest == str(tmp_path / "step_000000003")
     loaded = distkit.load_checkpoint(latest)
-    assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((512, 512), 3.0))
+    assert loaded["step"] == 3 and torch.equal(weights(loaded), torch.full((512, 512), 3.0))
 
     # Step 4 committed, then killed after retention un-committed step 2 but before deleting it.
     run_until_paused(tmp_path, "delete", 4, 4, mode, markers)
-    assert committed_steps(tmp_path) == ["step_000000003", "step_000000004"]
+    assert committed_steps(tmp_path) == ["step_000000003", "step_000000004"], (
+        f"killed inside the retention of step 4's save, the directory holds {committed_steps(tmp_path)}: "
+        f"retention ran before step 4 was committed"
+    )
     assert any(p.name.startswith(".step_000000002.distkit-tmp-del-") for p in tmp_path.iterdir())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # leftovers at or below the chosen step are not worth a warning
-        assert distkit.load_checkpoint(manager.latest())["step"] == 4
+        latest = manager.latest()
+        assert latest is not None and distkit.load_checkpoint(latest)["step"] == 4
 
     manager.save(5, {"w": torch.zeros(1), "step": 5})  # retention also clears the leftovers
     assert sorted(os.listdir(tmp_path)) == ["step_000000004", "step_000000005"]
@@ -1157,6 +1179,42 @@ def test_resuming_on_a_different_world_size_reseeds_deterministically_with_a_war
         draws.append(torch.rand(2).tolist())
     assert draws[0] == draws[1]  # deterministic
     assert draws[0] not in after_save  # neither rank's stream was silently reused
+
+
+def reseeded_draws(directory: str) -> list[list[float]]:
+    """This rank's first draws from torch, python and numpy after each of two resumes of
+    ``directory`` on this world size (saved on another), from different RNG states before each."""
+    draws = []
+    for attempt in range(2):
+        torch.manual_seed(500 + attempt)
+        random.seed(500 + attempt)
+        np.random.seed(500 + attempt)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*saved by \d+ rank\(s\) and this job has")
+            distkit.load_checkpoint(directory, {"progress": ResumeState()})
+        draws.append([*torch.rand(2).tolist(), random.random(), float(np.random.rand())])
+    return draws
+
+
+def test_ranks_resumed_on_more_ranks_draw_different_streams_that_every_resume_reproduces(
+    tmp_path, ranks
+) -> None:
+    # 1 -> 2 (saved in this process, a world of one) and 2 -> 3: each rank is reseeded from the
+    # saved states and its own rank, so the ranks draw differently (dropout masks, augmentations),
+    # and the same checkpoint on the same world size gives every rank the same streams again.
+    distkit.save_checkpoint(tmp_path / "one_rank", {"progress": ResumeState(global_step=7)})
+    ranks.run(save_resume_state, str(tmp_path / "two_ranks"), world_size=2)
+    for saved, world_size in (("one_rank", 1), ("two_ranks", 2)):
+        per_rank = ranks.run(reseeded_draws, str(tmp_path / saved), world_size=world_size + 1)
+        for rank, (first, second) in enumerate(per_rank):
+            assert first == second, f"{saved} -> rank {rank}: two resumes drew {first} and {second}"
+        firsts = [first for first, _ in per_rank]
+        for generator, name in enumerate(["torch", "torch", "python", "numpy"]):
+            drawn = [draws[generator] for draws in firsts]
+            assert len(set(drawn)) == world_size + 1, (
+                f"resumed {world_size} -> {world_size + 1}, the ranks' {name} generators drew {drawn}: "
+                f"reseeding ignored the new rank"
+            )
 
 
 # --------------------------------------------------------------------------------------------------

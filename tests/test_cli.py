@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,31 +14,20 @@ import pytest
 import torch
 
 import distkit
+from _launch import launcher_free_env
 from distkit import cli
 from distkit.bench import _command, _load
 from distkit.bench.runner import BenchRow
 from distkit.cli import collect_env, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _run(
     *args: str, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
     # Not inside the test session's own job: the command must see a plain environment.
-    environ = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")
-    }
-    environ.update(env or {})
+    environ = launcher_free_env(**(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "distkit.cli", *args],
         capture_output=True,
@@ -50,10 +38,11 @@ def _run(
 
 
 @pytest.fixture
-def plain_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in (*_LAUNCH_VARS, "TORCH_DISTRIBUTED_DEBUG", "OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+def plain_env(world_of_one: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    # Besides the launcher's variables, the settings `distkit env` warns about.
+    for name in ("TORCH_DISTRIBUTED_DEBUG", "OMP_NUM_THREADS"):
+        world_of_one.delenv(name, raising=False)
+    return world_of_one
 
 
 def test_env_json_parses_and_reports_versions_launcher_and_choice() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -14,19 +13,9 @@ import pytest
 import torch
 
 import distkit
+from _launch import free_port
 from distkit import coordination, runtime
 from distkit.testing import RankFailedError
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch):
-    for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    distkit.shutdown()
-    yield monkeypatch
-    distkit.shutdown()
 
 
 def _append(path: str, line: str) -> None:
@@ -286,15 +275,9 @@ def store_host_dies(port: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_death_of_the_main_process_hosting_the_store_is_reported_at_once(ranks) -> None:
     with pytest.raises(RankFailedError) as info:
-        ranks.run(store_host_dies, _free_port(), world_size=2, fresh=True, init=False, timeout_s=60)
+        ranks.run(store_host_dies, free_port(), world_size=2, fresh=True, init=False, timeout_s=60)
     by_rank = {f.rank: f for f in info.value.failures}
     assert by_rank[0].exitcode == -signal.SIGKILL
     assert by_rank[1].kind == "exception", by_rank[1]

@@ -16,14 +16,15 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import Dataset
 
 import distkit
+from _launch import free_port, job_env, torchrun
 from distkit.errors import DistkitError
 from distkit.trainer import Callback, FSDPStrategy, ModelCheckpoint, Trainer
 
 SCRIPTS = pathlib.Path(__file__).parent / "fsdp_scripts"
-REPO = pathlib.Path(__file__).parent.parent
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,6 +180,62 @@ def test_accumulation_and_clipping_on_sharded_gradients_equal_ddps(ranks, tmp_pa
         torch.testing.assert_close(fsdp_weights, ddp_weights, rtol=1e-4, atol=1e-6)
 
 
+class CountReduceScatters(Callback):
+    """Counts FSDP's gradient reduce-scatters in the second optimizer step: a whole step of
+    micro-batches, and nothing of what a fit does once (start-up, the end)."""
+
+    def __init__(self) -> None:
+        self.profiler: profile | None = None
+        self.count: int | None = None
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if trainer.global_step == 1:
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.start()
+        elif trainer.global_step == 2:
+            assert self.profiler is not None
+            self.profiler.stop()
+            # gloo runs a reduce-scatter as an all-reduce, which the non-finite flag's all-reduce
+            # would blur: the reduce-scatter's own op is counted.
+            events = self.profiler.events()
+            self.count = sum(1 for event in events if event.name == "c10d::_reduce_scatter_base_")
+
+
+def fsdp_reduce_scatters_in_one_step(tmp: str) -> int | None:
+    torch.manual_seed(0)
+    model = MLP()
+    counter = CountReduceScatters()
+    trainer = quiet_trainer(
+        tmp,
+        strategy=MLP_UNITS,
+        max_steps=2,
+        batch_size=16,
+        accumulate_grad_batches=4,
+        log_every_n_steps=1000,
+        callbacks=[counter],
+    )
+    trainer.fit(
+        model,
+        Vectors(1024),  # 32 batches per rank: both steps inside the first epoch
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    return counter.count
+
+
+def test_accumulation_reduce_scatters_once_per_optimizer_step(ranks, tmp_path) -> None:
+    # An optimizer step of 4 micro-batches: only the last one syncs, reduce-scattering the
+    # gradients of the 3 units that hold parameters (the root holds none): 3 reduce-scatters, not
+    # 12. Comparing the losses with DDP cannot see a sync on every micro-batch: the sum of the
+    # synced gradients is the same.
+    counts = ranks.run(fsdp_reduce_scatters_in_one_step, str(tmp_path))
+    assert counts == [3, 3], (
+        f"an optimizer step of 4 micro-batches ran {counts} reduce-scatters per rank, not 3 (one per "
+        f"unit): FSDP synced the gradients on micro-batches that should run with "
+        f"set_requires_gradient_sync(False)"
+    )
+
+
 def test_cpu_offload_activation_checkpointing_and_kept_parameters_equal_ddps(ranks, tmp_path) -> None:
     fsdp = FSDPStrategy(
         min_unit_params=4000, cpu_offload=True, activation_checkpointing=True, reshard_after_forward=False
@@ -201,6 +258,13 @@ class Inspect(Callback):
         model = trainer.model
         assert model is not None
         self.units = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
+        # Each unit's MixedPrecisionPolicy as fully_shard got it (torch keeps it on the unit's
+        # FSDP state; there is no public getter).
+        self.policies = {
+            name: (m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
+            for name, m in model.named_modules()
+            if isinstance(m, FSDPModule)
+        }
         self.dtensors = all(isinstance(p, DTensor) for p in model.parameters())
         local = sum(p.to_local().numel() for p in model.parameters())
         self.local_share = local / sum(p.numel() for p in model.parameters())
@@ -242,8 +306,17 @@ def test_fsdp_shards_every_parameter_and_the_optimizer_state_unit_by_unit(ranks,
         assert seen["names"] == sorted(MLP().state_dict())
 
 
-def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_shards(ranks, tmp_path) -> None:
+def test_bf16_mixed_computes_in_bfloat16_reduces_in_float32_and_keeps_float32_shards(ranks, tmp_path) -> None:
     for seen in ranks.run(inspect_fsdp, str(tmp_path), "bf16-mixed", False):
+        # Gradients summed in bfloat16 lose the low bits of every rank's contribution (8 bits of
+        # mantissa): every unit, the root included, must reduce in float32.
+        for unit, (param_dtype, reduce_dtype) in seen["policies"].items():
+            assert (param_dtype, reduce_dtype) == (torch.bfloat16, torch.float32), (
+                f"unit {unit!r} has MixedPrecisionPolicy(param_dtype={param_dtype}, "
+                f"reduce_dtype={reduce_dtype}): bf16-mixed must compute in bfloat16 and reduce the "
+                f"gradients in float32"
+            )
+        assert sorted(seen["policies"]) == ["", "blocks.0", "blocks.1", "blocks.2"]
         assert seen["forward_dtypes"] == {torch.bfloat16}  # the first unit's output
         assert seen["param_dtypes"] == {torch.float32}  # the sharded parameters
         assert seen["state_dtypes"] == {torch.float32}
@@ -294,6 +367,81 @@ def test_nonfinite_loss_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_pat
     )
     assert (steps0, skipped0) == (steps1, skipped1) == (4, 1)
     assert weights0 == weights1 and all(map(lambda w: w == w, weights0))  # finite, identical
+
+
+class _InfGradOnSecondHalf(torch.autograd.Function):
+    """Adds 0 in forward; in backward, an infinite gradient on the second half of the rows of its
+    argument (a parameter), finite on the first: an overflow only one shard of that parameter holds."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        ctx.shape = param.shape
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        spike = torch.zeros(ctx.shape, dtype=grad.dtype)
+        spike[ctx.shape[0] // 2 :] = math.inf
+        return spike
+
+
+class OverflowInRankOnesShards(Callback):
+    """In step ``step``, rank 0's backward pass overflows in the second half of the rows of every
+    parameter: after the reduce-scatter rank 1's shard of every parameter is inf and rank 0's are
+    all finite (2 ranks shard dim 0 in halves; every row count of MLP is even). Every loss stays
+    finite. Each rank checks at the end of that step that it skipped it: a rank that took the step
+    alone fails there, naming it, instead of leaving the other waiting in a collective."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.armed = False
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        assert trainer.model is not None
+        for module in trainer.model.modules():
+            if isinstance(module, nn.Linear):
+                # Inside the unit's forward pass: its parameters are the gathered (unsharded) ones.
+                module.register_forward_hook(self.spike)
+
+    def spike(self, module: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return output
+        return output + _InfGradOnSecondHalf.apply(module.weight) + _InfGradOnSecondHalf.apply(module.bias)
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.step and trainer.skipped_steps != 1:
+            raise AssertionError(
+                f"[rank {distkit.get_rank()}] took step {self.step}, whose gradients were inf in rank "
+                f"1's shards only: the non-finite flag was read on each rank's own shard and not "
+                f"agreed across ranks (skipped_steps={trainer.skipped_steps})"
+            )
+        self.armed = distkit.get_rank() == 0 and trainer.global_step + 1 == self.step
+
+
+def overflow_in_one_shard(tmp: str) -> tuple[int, int, list[float]]:
+    torch.manual_seed(0)
+    model = MLP()
+    trainer = quiet_trainer(
+        tmp, strategy=MLP_UNITS, max_steps=3, batch_size=16, callbacks=[OverflowInRankOnesShards(2)]
+    )
+    trainer.fit(
+        model,
+        Vectors(512),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=nn.functional.cross_entropy,
+    )
+    return trainer.global_step, trainer.skipped_steps, full_weights(model).tolist()[:5]
+
+
+def test_an_overflow_that_only_one_ranks_shard_holds_skips_the_step_on_every_rank(ranks, tmp_path) -> None:
+    # Each rank reads the non-finite flag in its own shard of the sentinel parameter: rank 0 sees a
+    # finite value, rank 1 inf. Only the all-reduce of the flag makes them agree to skip step 2
+    # (with gradient_clip_val unset, no global norm would tell them).
+    (steps0, skipped0, weights0), (steps1, skipped1, weights1) = ranks.run(
+        overflow_in_one_shard, str(tmp_path)
+    )
+    assert (steps0, skipped0) == (steps1, skipped1) == (3, 1)
+    assert weights0 == weights1 and all(map(math.isfinite, weights0))
 
 
 def stop_on_one_rank(tmp: str) -> int:
@@ -460,23 +608,9 @@ def test_shard_model_in_a_hand_written_loop_equals_the_ddp_loop(ranks) -> None:
 # Real launches: `python script.py` (fit starts the processes) and two torchrun agents (c10d)
 
 
-def _launcher_free_env() -> dict[str, str]:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    launcher += ("GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
-    return {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_python_launch_and_two_torchrun_agents_train_the_same_fsdp_job(tmp_path) -> None:
     script = str(SCRIPTS / "train_fsdp.py")
-    env = {**_launcher_free_env(), "OMP_NUM_THREADS": "1"}
+    env = job_env()
     launched = tmp_path / "python"
     launched.mkdir()
     # All three at once: most of a launch's time is start-up and rendezvous waits, not compute.
@@ -486,26 +620,25 @@ def test_python_launch_and_two_torchrun_agents_train_the_same_fsdp_job(tmp_path)
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    port = _free_port()
+    port = free_port()
     two_nodes = tmp_path / "torchrun"
     two_nodes.mkdir()
     agents = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc-per-node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=distkit-fsdp-two-node",
-                "--local-addr=127.0.0.1",
+            torchrun(
                 script,
                 str(two_nodes),
                 "auto",
-            ],
+                options=[
+                    "--nnodes=2",
+                    f"--node-rank={node}",
+                    "--nproc-per-node=1",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=distkit-fsdp-two-node",
+                    "--local-addr=127.0.0.1",
+                ],
+            ),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

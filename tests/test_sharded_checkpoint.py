@@ -264,6 +264,60 @@ def test_loading_a_sharded_optimizer_without_its_module_names_what_to_pass(tmp_p
 
 
 # --------------------------------------------------------------------------------------------------
+# Retention after an async sharded save: only once that save is committed
+
+
+def test_async_sharded_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_commit(
+    tmp_path, monkeypatch
+) -> None:
+    # What the directory held when each deletion began: which checkpoints were committed, and
+    # whether a save was in flight (its staging directory in place). Recorded by wrapping distkit's
+    # own deletion of a local checkpoint or leftover, which still deletes.
+    from distkit.checkpoint._files import _LocalStorage
+
+    deletions: list[tuple[str, list[str], list[str]]] = []
+    remove = _LocalStorage.remove
+
+    def recording_remove(self: _LocalStorage, path: str) -> None:
+        staging = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step_"))
+        committed = sorted(p.name for p in tmp_path.glob("step_*") if (p / "manifest.json").exists())
+        deletions.append((os.path.basename(path), committed, staging))
+        remove(self, path)
+
+    monkeypatch.setattr(_LocalStorage, "remove", recording_remove)
+    model = make_model()
+    manager = CheckpointManager(
+        tmp_path, keep_last=2, keep_best=1, monitor="loss", mode="min", async_save=True, sharded=True
+    )
+    failure = None
+    with warnings.catch_warnings():
+        # DCP's async_save without a process group says it assumes one process: a world of one.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            for step, loss in {1: 0.9, 2: 0.2, 3: 0.5, 4: 0.7, 5: 0.6}.items():
+                manager.save(step, {"model": model}, metrics={"loss": loss})
+            manager.wait()
+        except distkit.DistkitError as err:
+            failure = err  # shown below, after what the deletions say about it
+    names = sorted(p.name for p in tmp_path.iterdir())
+    best = manager.best()
+    manager.close()
+    # Each deletion began only once the step whose save made it surplus was committed (step 1
+    # after step 3's commit, step 3 after step 5's) with no save in flight, never to make room for
+    # a save whose shards were not committed yet.
+    assert deletions == [
+        ("step_000000001", ["step_000000001", "step_000000002", "step_000000003"], []),
+        ("step_000000003", ["step_000000002", "step_000000003", "step_000000004", "step_000000005"], []),
+    ], (
+        f"retention of an async sharded save ran before that save was committed; (deleted, committed, "
+        f"in flight) at each deletion: {deletions}"
+    )
+    assert failure is None, failure
+    assert names == ["step_000000002", "step_000000004", "step_000000005"], names
+    assert best == str(tmp_path / "step_000000002")
+
+
+# --------------------------------------------------------------------------------------------------
 # A rank SIGKILLed in the middle of a sharded save
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -15,14 +16,16 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import filelock
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 import distkit
 import storage_servers
+from _launch import job_env, torchrun
 from distkit import _secrets, _transfer, _upload, storage
 from distkit.testing import RankFailedError
 from storage_servers import FileServer, S3Endpoint, Stall
@@ -38,17 +41,8 @@ SECRET = "S3CR3T-d0-not-leak-7f3a"
 SHORT_SECRET = "q7Z"  # a 3-character password: too short to replace wherever it occurs
 MANIFEST = "_DISTKIT_MANIFEST.json"
 INCOMPLETE = "_DISTKIT_INCOMPLETE"
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
-
-
-@pytest.fixture(autouse=True)
-def world_of_one(monkeypatch: pytest.MonkeyPatch):
-    # Calls made in this process (not through `ranks`) run as a world of one.
-    for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    distkit.shutdown()
-    yield
-    distkit.shutdown()
+# Calls made in this process (not through `ranks`) run as a world of one (conftest.py).
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -512,6 +506,63 @@ def test_upload_whose_server_starts_failing_midway_is_marked_partial_and_refused
     assert _tree(copy) == second
 
 
+class SmallObjectMemoryFileSystem(MemoryFileSystem):
+    """fsspec's memory filesystem under its own protocol, with an object store's size limit on each
+    object it writes: an object over ``limit`` bytes is refused with EFBIG (not retried)."""
+
+    protocol = ("smallobj",)
+    store: ClassVar[dict[str, Any]] = {}  # its own store, apart from memory://
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    limit = 1024
+
+    @classmethod
+    def _strip_protocol(cls, path):  # type: ignore[no-untyped-def]
+        return super()._strip_protocol(path.removeprefix("smallobj://") if isinstance(path, str) else path)
+
+    def _check_size(self, path: str, size: int) -> None:
+        if size > self.limit:
+            raise OSError(errno.EFBIG, f"object of {size} bytes, over the limit of {self.limit}", path)
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):  # type: ignore[no-untyped-def]
+        self._check_size(path, len(value))
+        return super().pipe_file(path, value, mode=mode, **kwargs)
+
+    def put_file(self, lpath, rpath, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._check_size(rpath, os.path.getsize(lpath))
+        return super().put_file(lpath, rpath, *args, **kwargs)
+
+
+fsspec.register_implementation("smallobj", SmallObjectMemoryFileSystem, clobber=True)
+
+
+def test_an_upload_whose_manifest_cannot_be_written_stays_partial_and_download_refuses_it(
+    tmp_path: Path,
+) -> None:
+    # 16 files of 2 or 3 bytes each pass the store's 1 KiB limit, and so does the partial marker;
+    # the manifest (a size and a SHA-256 per file, about 2 KB) is refused: the upload fails on
+    # its very last write.
+    files = {f"part-{i:02d}.txt": f"{i}\n".encode() for i in range(16)}
+    _write_files(tmp_path / "out", files)
+    store = SmallObjectMemoryFileSystem.store
+    store.clear()
+    try:
+        with pytest.raises(OSError, match="over the limit") as info:
+            distkit.upload(tmp_path / "out", "smallobj://dk-no-manifest/run")
+        assert info.value.errno == errno.EFBIG and MANIFEST in str(info.value.filename)
+        fs = SmallObjectMemoryFileSystem()
+        written = {p.rsplit("/", 1)[1] for p in fs.find("/dk-no-manifest/run")}
+        assert set(files) <= written  # every file arrived; only the manifest did not
+        assert INCOMPLETE in written and MANIFEST not in written, (
+            f"the destination holds {sorted(written)}: the partial marker was removed before the "
+            f"manifest was written, so a tree without its manifest no longer reads as incomplete"
+        )
+        with pytest.raises(distkit.DistkitError, match="holds a partial upload"):
+            distkit.download("smallobj://dk-no-manifest/run", tmp_path / "copy")
+        assert not (tmp_path / "copy").exists() and _leftovers(tmp_path) == []
+    finally:
+        store.clear()
+
+
 def _checked_upload(source: Path, dest: str, options: dict[str, Any] | None = None) -> Any:
     """An upload whose tree has been checked and whose files are not opened yet: a fixed point at
     which a test changes the tree. ``run()`` does the rest."""
@@ -802,25 +853,12 @@ def test_every_kind_of_credential_option_is_hidden_and_ordinary_options_are_not(
 
 
 def test_example_runs_under_torchrun_with_a_local_http_server(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in LAUNCHER_VARS:
-        env.pop(name, None)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(ROOT / "examples" / "prepare_and_upload.py"),
-            "--workdir",
-            str(tmp_path),
-            "--http",
-        ],
+        torchrun(str(ROOT / "examples" / "prepare_and_upload.py"), "--workdir", str(tmp_path), "--http"),
         capture_output=True,
         text=True,
         timeout=240,
-        env=env,
+        env=job_env(),
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

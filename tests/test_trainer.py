@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import distkit
+from _launch import job_env, torchrun
 from distkit.errors import DistkitError
 from distkit.trainer import (
     Callback,
@@ -38,7 +39,6 @@ from distkit.trainer import (
 )
 
 SCRIPTS = pathlib.Path(__file__).parent / "trainer_scripts"
-REPO = pathlib.Path(__file__).parent.parent
 
 
 # --------------------------------------------------------------------------------------------------
@@ -271,6 +271,20 @@ class OverflowModel(PoisonedModel):
         return loss + torch.sqrt(weight - weight.detach()).sum()
 
 
+class NonFiniteLossFiniteGradientsModel(PoisonedModel):
+    """A loss that is inf or nan although every gradient is finite: a constant added to it (as a
+    non-finite term that does not depend on the weights would be) changes no gradient."""
+
+    constant = math.inf
+
+    def poison(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss + self.constant
+
+
+class NanLossFiniteGradientsModel(NonFiniteLossFiniteGradientsModel):
+    constant = math.nan
+
+
 class RankHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -338,6 +352,26 @@ def test_nonfinite_loss_in_a_no_sync_micro_batch_skips_the_step_on_every_rank(ra
         assert result["skipped"] == 1 and result["steps"] == 6
         weights = result["weights"]
         assert torch.equal(weights[2], weights[1]) and not torch.equal(weights[3], weights[2])
+    assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
+
+
+@pytest.mark.parametrize(
+    "model_class", [NonFiniteLossFiniteGradientsModel, NanLossFiniteGradientsModel], ids=["inf", "nan"]
+)
+def test_a_nonfinite_loss_whose_gradients_are_finite_skips_that_step_on_every_rank(
+    ranks, tmp_path, model_class
+) -> None:
+    # Rank 1's loss of step 3 is not finite but its gradients are: only the poisoned backward pass
+    # of a rank whose loss is not finite tells the other rank to skip with it.
+    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3, model_class)
+    for rank, result in enumerate(results):
+        assert result["skipped"] == 1, (
+            f"rank {rank} skipped {result['skipped']} steps, not step 3: rank 1's non-finite loss "
+            f"(with finite gradients) did not poison its backward pass, so no rank saw it"
+        )
+        weights = result["weights"]
+        assert result["steps"] == 6 and torch.equal(weights[2], weights[1])  # step 3 changed nothing
+        assert not torch.equal(weights[3], weights[2])  # training went on
     assert torch.equal(results[0]["weights"][-1], results[1]["weights"][-1])
 
 
@@ -1030,14 +1064,6 @@ def reference_weights(root: str, max_steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RANK", "WORLD_SIZE"))}
-    # One thread per rank, as in the pool the reference runs on: the same arithmetic, bitwise.
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    return env
-
-
 def run_job(
     args: list[str], env: dict[str, str], timeout_s: float = 240.0
 ) -> subprocess.CompletedProcess[str]:
@@ -1074,11 +1100,10 @@ def test_python_and_torchrun_launches_of_one_script_train_the_same_job_bitwise(t
     env["PYTHONWARNINGS"] = "always"  # every warning of every process reaches stderr
     del env["OMP_NUM_THREADS"]  # each launcher's own default thread count, which must agree
     script = str(SCRIPTS / "launch_parity.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     runs = {
         "python": [sys.executable, script, str(tmp_path / "python")],
         "python-factories": [sys.executable, script, str(tmp_path / "python-factories"), "factories"],
-        "torchrun": [*torchrun, script, str(tmp_path / "torchrun")],
+        "torchrun": torchrun(script, str(tmp_path / "torchrun")),
     }
     records = {}
     for name, args in runs.items():
@@ -1208,11 +1233,8 @@ def test_sigkilled_rank_restarts_under_torchrun_and_ends_with_uninterrupted_weig
     env = job_env()
     # pytorch/pytorch#135712: without it the restarted gloo group often fails to form (FACTS.md).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = run_job(
-        [
-            *torchrun,
-            "--max-restarts=1",
+        torchrun(
             str(SCRIPTS / "train_job.py"),
             str(tmp_path),
             "8",
@@ -1220,7 +1242,8 @@ def test_sigkilled_rank_restarts_under_torchrun_and_ends_with_uninterrupted_weig
             "1",
             "--kill-step",
             "5",
-        ],
+            options=["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
+        ),
         env,
     )
     assert result.returncode == 0
