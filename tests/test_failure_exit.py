@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
+import _launch
 import distkit
+from _launch import free_port, launcher_free_env
 from distkit import HANG_EXIT_CODE, PEER_FAILED_EXIT_CODE
 from distkit.testing import RankPools
 
@@ -43,7 +45,6 @@ OPS = (
     "all_ranks",
     "save",
 )
-_LAUNCHER_VARIABLES = ("TORCHELASTIC", "SLURM", "OMPI", "PMI", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
 
 
 @dataclass
@@ -61,15 +62,8 @@ class Job:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _clean_env(run_dir: Path, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARIABLES)}
-    env.update(OMP_NUM_THREADS="1", DISTKIT_RUN_DIR=str(run_dir), PYTHONUNBUFFERED="1", **extra)
+    env = launcher_free_env(OMP_NUM_THREADS="1", DISTKIT_RUN_DIR=str(run_dir), PYTHONUNBUFFERED="1", **extra)
     env.pop("DISTKIT_HANG_TIMEOUT_S", None)
     return env
 
@@ -123,7 +117,7 @@ def _run(commands: list[tuple[list[str], dict[str, str]]], run_dir: Path) -> Job
 def by_hand(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Job:
     """Two plain ``python`` processes; rank 0 hosts the store (srun, or variables set by hand)."""
     base = _clean_env(run_dir, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
-    base.update(MASTER_PORT=str(_free_port()), **(env or {}))
+    base.update(MASTER_PORT=str(free_port()), **(env or {}))
     commands = [
         ([sys.executable, str(SCRIPT), *args], {**base, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(2)
@@ -132,20 +126,12 @@ def by_hand(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Job
 
 
 def torchrun(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Job:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-    ]
-    return _run([([*command, *args], _clean_env(run_dir, env or {}))], run_dir)
+    return _run([(_launch.torchrun(str(SCRIPT), *args), _clean_env(run_dir, env or {}))], run_dir)
 
 
 def one_process(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Job:
     """``python script.py``: mp.spawn or the Trainer's self-launch start the ranks."""
-    extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), **(env or {})}
+    extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
     return _run([([sys.executable, str(SCRIPT), *args], _clean_env(run_dir, extra))], run_dir)
 
 
