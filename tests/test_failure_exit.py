@@ -27,7 +27,7 @@ import _launch
 import distkit
 from _launch import free_port, launcher_free_env
 from distkit import HANG_EXIT_CODE, PEER_FAILED_EXIT_CODE
-from distkit.testing import RankPools
+from distkit.testing import RankFailedError, RankPools
 
 SCRIPT = Path(__file__).parent / "failure_scripts" / "scenarios.py"
 # A job whose processes outlive their failure waits for the process group's timeout: 600 s by
@@ -371,16 +371,19 @@ def test_a_correct_job_with_uneven_slow_ranks_never_gets_a_mismatch_or_a_hang_re
 ) -> None:
     """Before, a rank slow inside DDP's backward (its all-reduce already issued) while the others
     waited more than a second in a distkit collective was judged "can never arrive"."""
-    with RankPools(grace_s=20) as pools:
-        counts = pools.run(
-            stress,
-            10.0,
-            world_size=world_size,
-            fresh=True,
-            init=False,
-            env={"DISTKIT_RUN_DIR": str(tmp_path)},  # where a (false) report would go
-            timeout_s=300,
-        )
+    try:
+        with RankPools(grace_s=20) as pools:
+            counts = pools.run(
+                stress,
+                10.0,
+                world_size=world_size,
+                fresh=True,
+                init=False,
+                env={"DISTKIT_RUN_DIR": str(tmp_path)},  # where a (false) report would go
+                timeout_s=300,
+            )
+    except RankFailedError as err:
+        pytest.fail(f"a false mismatch or hang report on a correct job with slow ranks: {err}")
     print(f"{world_size} ranks: {counts}")
     assert [c.get("slow in backward") for c in counts] == [1] * world_size, counts
     assert [c.get("slow before") for c in counts] == [1] + [None] * (world_size - 1), counts
@@ -429,3 +432,54 @@ def test_a_port_held_by_a_silent_program_fails_every_rank_long_before_the_defaul
     for elapsed, message in results:
         assert f"MASTER_PORT={port}" in message and "torchrun --standalone" in message, message
         assert elapsed < 60, (elapsed, message)
+
+
+CHAIN_S = 5.0  # longer than the watchdog's timeout below, several times over
+CHAIN_TIMEOUT_S = 1.5
+
+
+def chain_of_short_waits(kind: str) -> int:
+    """Rank 0 waits at the same line at every look of its watchdog, each wait short: it is never
+    stuck, because every look sees new collectives issued (the watchdog's fingerprint)."""
+    import torch
+    import torch.distributed as dist
+
+    distkit.init("gloo", hang_timeout_s=CHAIN_TIMEOUT_S)
+    rank = distkit.get_rank()
+    calls, start = 0, time.monotonic()
+    while True:
+        if rank == 1:
+            time.sleep(0.02)  # rank 1 is always a little late: rank 0 waits at every call
+        value = torch.ones(1)
+        # The same decision on every rank: a step count both know, not each rank's clock.
+        done = distkit.all_ranks(time.monotonic() - start > CHAIN_S) if calls % 50 == 49 else False
+        if done:
+            return calls
+        if kind == "distkit":
+            distkit.all_reduce(value)  # distkit's collective: its counters move
+        else:
+            dist.all_reduce(value)  # torch's: the default group's sequence number moves
+        calls += 1
+
+
+@pytest.mark.parametrize("kind", ["distkit", "torch"])
+def test_a_healthy_rank_in_a_chain_of_short_waits_longer_than_the_hang_timeout_is_never_reported(
+    kind: str, tmp_path: Path
+) -> None:
+    """Issue 24, point 8: a watchdog that drops the collectives' progress from its fingerprint sees
+    rank 0 at the same line, waiting, for longer than the timeout, and ends a healthy job."""
+    try:
+        with RankPools(grace_s=20) as pools:
+            calls = pools.run(
+                chain_of_short_waits,
+                kind,
+                world_size=2,
+                fresh=True,
+                init=False,
+                env={"DISTKIT_RUN_DIR": str(tmp_path)},
+                timeout_s=120,
+            )
+    except RankFailedError as err:
+        pytest.fail(f"the watchdog ended a healthy job (short {kind} collectives that made progress): {err}")
+    assert calls[0] == calls[1] and calls[0] > 50, calls
+    assert not list(tmp_path.glob("distkit-hang-report-*.txt")), "the watchdog reported a healthy job"
