@@ -241,37 +241,50 @@ def test_consolidate_into_an_existing_empty_directory_still_works(tmp_path: Path
 # list and inspect of a missing path fail
 
 
-def test_list_of_a_missing_directory_exits_1_and_names_it(tmp_path: Path) -> None:
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``distkit ARGS`` in this process (the executable itself costs an import of torch per call)."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_of_a_missing_directory_exits_1_and_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "no" / "such" / "dir"
-    for extra in ((), ("--json",)):
-        done = distkit_command("checkpoint", "list", str(missing), *extra)
-        assert done.returncode == 1, (done.stdout, done.stderr)
-        assert done.stdout == ""
-        assert (
-            f"distkit checkpoint: error: {missing} does not exist. Pass the directory of a "
-            f"CheckpointManager (the one that holds its step_<N> directories)." in done.stderr
-        ), done.stderr
+    expected = (
+        f"distkit checkpoint: error: {missing} does not exist. Pass the directory of a "
+        f"CheckpointManager (the one that holds its step_<N> directories)."
+    )
+    done = distkit_command("checkpoint", "list", str(missing))  # the real exit status, once
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout == "" and expected in done.stderr, done.stderr
+    code, out, err = run_main(capsys, "checkpoint", "list", str(missing), "--json")
+    assert (code, out) == (1, "") and expected in err, err
 
 
-def test_list_of_a_file_exits_1(tmp_path: Path) -> None:
+def test_list_of_a_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "notes.txt").write_text("not a directory")
-    done = distkit_command("checkpoint", "list", str(tmp_path / "notes.txt"))
-    assert done.returncode == 1
-    assert f"{tmp_path / 'notes.txt'} is a file, not a directory of checkpoints" in done.stderr
+    code, _, err = run_main(capsys, "checkpoint", "list", str(tmp_path / "notes.txt"))
+    assert code == 1
+    assert f"{tmp_path / 'notes.txt'} is a file, not a directory of checkpoints" in err
 
 
-def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path) -> None:
-    done = distkit_command("checkpoint", "list", str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"no checkpoints in {tmp_path}"
+def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
+    assert code == 0, err
+    assert out.strip() == f"no checkpoints in {tmp_path}"
 
 
-def test_inspect_of_a_missing_path_exits_1_and_names_it(tmp_path: Path) -> None:
+def test_inspect_of_a_missing_path_exits_1_and_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "step_000000040"
     for extra in ((), ("--json",)):
-        done = distkit_command("checkpoint", "inspect", str(missing), *extra)
-        assert done.returncode == 1, (done.stdout, done.stderr)
-        assert f"checkpoint not found: {missing} does not exist" in done.stderr, done.stderr
+        code, _, err = run_main(capsys, "checkpoint", "inspect", str(missing), *extra)
+        assert code == 1, err
+        assert f"checkpoint not found: {missing} does not exist" in err, err
 
 
 # --------------------------------------------------------------------------------------------------
