@@ -483,3 +483,24 @@ def test_a_healthy_rank_in_a_chain_of_short_waits_longer_than_the_hang_timeout_i
         pytest.fail(f"the watchdog ended a healthy job (short {kind} collectives that made progress): {err}")
     assert calls[0] == calls[1] and calls[0] > 50, calls
     assert not list(tmp_path.glob("distkit-hang-report-*.txt")), "the watchdog reported a healthy job"
+
+
+def test_a_rank_of_distkits_own_process_is_shown_at_distkits_line_not_at_string_1() -> None:
+    """`distkit bench` ranks run `python -c "...; _child_main()"`: the only frame outside distkit is
+    `<string>:1`. Its reports showed that line and told the user to fix their call; they show the
+    bench's own line, marked as distkit's, so that the message says it is distkit's bug."""
+    from distkit import _hang_where, runtime
+    from distkit.bench import _timing
+
+    entry = compile("_child_main()", "<string>", "exec")
+    caller = _timing.measure_blocks.__code__
+    frames = [
+        (runtime.barrier.__code__, runtime.barrier.__code__.co_firstlineno + 1, None),
+        (caller, caller.co_firstlineno + 1, None),
+        (entry, 1, None),
+    ]
+    where = _hang_where.locate(frames)  # type: ignore[arg-type]
+    assert where.file == "distkit/bench/_timing.py" and where.internal, where
+    user = compile("distkit.barrier()", "train.py", "exec")
+    where = _hang_where.locate([frames[0], (user, 1, None)])  # type: ignore[arg-type]
+    assert where.file == "train.py" and not where.internal, where
