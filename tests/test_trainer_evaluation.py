@@ -361,6 +361,11 @@ def test_a_loss_fn_that_fails_on_the_first_batch_points_to_training_step_with_an
         )
     message = str(caught.value)
     assert "failed on the first batch (tensor (16, 8) float32, tensor (16,) int64)" in message
+    # Where first (loss_fn, given the model's output), and only then the guess.
+    where = (
+        "The exception was raised in loss_fn, after the model's forward had returned tensor (16, 2) float32"
+    )
+    assert where in message and message.index(where) < message.index("Likely cause (a guess")
     assert "def training_step(self, batch, batch_idx):" in message and "targets" in message
     assert isinstance(caught.value.__cause__, (RuntimeError, ValueError))
 

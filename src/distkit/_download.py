@@ -461,8 +461,11 @@ def download(
         ChecksumMismatchError: The fetched file's SHA-256 differs from ``sha256``.
         LockTimeoutError: Another process held the lock for ``timeout_s`` (also a
             :class:`filelock.Timeout`; the message names the lock file).
-        FileNotFoundError: The source does not exist.
-        DistkitError: The source stayed unreachable after the retries.
+        FileNotFoundError: The source does not exist (over HTTP: a 404 or 410 answer, named in a
+            note of the error).
+        PermissionError: An HTTP server refused the credentials (401 or 403, named in the message).
+        DistkitError: The source stayed unreachable after the retries (the message names the HTTP
+            status of a 5xx, 408 or 429 answer), or an HTTP server gave another 4xx answer.
         MainProcessError: On the ranks that waited, when the fetching rank failed.
         ValueError: ``sha256`` is malformed, or given for a directory.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import http
 import sys
 import time
 from collections.abc import Callable
@@ -101,6 +102,83 @@ def _is_transient(err: BaseException) -> bool:
     return False
 
 
+def _http_answer(err: BaseException) -> tuple[int, str] | None:
+    """The status and reason phrase of the HTTP answer behind ``err``, or ``None``.
+
+    fsspec's HTTP filesystem reports every failed request as ``FileNotFoundError(url)``, a 500 or
+    a 403 as much as a 404; the answer itself is aiohttp's ``ClientResponseError`` in the chain.
+    """
+    aiohttp = sys.modules.get("aiohttp")  # only a loaded aiohttp can have raised its errors
+    if aiohttp is None:
+        return None
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, aiohttp.ClientResponseError):
+            return int(link.status), _reason(int(link.status), str(link.message or ""))
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _reason(status: int, said: str) -> str:
+    """The standard phrase of ``status``, and what the server said when that differs:
+    ``"Service Unavailable (failing on purpose)"``."""
+    try:
+        standard = http.HTTPStatus(status).phrase
+    except ValueError:
+        return said or "(no reason given)"
+    return standard if not said or said == standard else f"{standard} ({said})"
+
+
+def _described(err: BaseException) -> str:
+    """What failed, for a message: the HTTP answer when there was one, else the exception."""
+    answer = _http_answer(err)
+    if answer is not None:
+        return f"the server answered HTTP {answer[0]} {answer[1]}"
+    return f"{coordination._type_name(err)}: {err}"
+
+
+def _advice(err: BaseException) -> str:
+    answer = _http_answer(err)
+    if answer is None:
+        return "Check that the source is reachable from this machine, then run again."
+    if answer[0] in (408, 429):
+        return "The server is busy or limits the rate of requests: run again later."
+    return (
+        "A 5xx answer is a failure of the server, not of this machine or the URL: run again later, "
+        "or ask whoever runs the server."
+    )
+
+
+def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseException | None:
+    """A ``FileNotFoundError`` that stands for an HTTP answer other than 404/410 (see
+    :func:`_http_answer`), as the error that answer means; ``None`` to raise ``err`` as it is. A
+    404 or 410 stays a ``FileNotFoundError`` and gets a note naming the status."""
+    answer = _http_answer(err) if isinstance(err, FileNotFoundError) else None
+    if answer is None:
+        return None
+    status, reason = answer
+    said = f"{_label()} {what}: the server answered HTTP {status} {reason}"
+    if status in (404, 410):
+        err.add_note(scrub.text(said))
+        return None
+    if status in (401, 403):
+        return PermissionError(
+            scrub.text(
+                f"{said}: it refused the request's credentials. Pass the right ones in "
+                f"storage_options (for HTTP, an Authorization header in its 'headers'), or check that "
+                f"they may read this URL."
+            )
+        )
+    return DistkitError(
+        scrub.text(
+            f"{said}, a client error that is not retried. Check the URL and the storage_options "
+            f"(headers, query parameters) the server expects."
+        )
+    )
+
+
 def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
     attempt = 1
     while True:
@@ -108,20 +186,22 @@ def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
             return fn()
         except Exception as err:
             if not _is_transient(err):
-                raise
+                failure = _http_failure(err, what, scrub)
+                if failure is None:
+                    raise
+                raise failure from err
             if attempt >= _ATTEMPTS:
                 raise DistkitError(
                     scrub.text(
-                        f"{_label()} {what} failed after {_ATTEMPTS} attempts: "
-                        f"{coordination._type_name(err)}: {err}. Check that the source is reachable "
-                        f"from this machine, then run again."
+                        f"{_label()} {what} failed after {_ATTEMPTS} attempts: {_described(err)}. "
+                        f"{_advice(err)}"
                     )
                 ) from err
             delay = _RETRY_BASE_S * 2 ** (attempt - 1)
             _log().warning(
                 "%s",
                 scrub.text(
-                    f"{what} failed ({coordination._type_name(err)}: {err}); retrying in {delay:g} s "
+                    f"{what} failed ({_described(err)}); retrying in {delay:g} s "
                     f"(attempt {attempt + 1} of {_ATTEMPTS})"
                 ),
             )

@@ -1059,18 +1059,27 @@ def distributed_dataloader(
         )
     world_size, rank = runtime.get_world_size(), runtime.get_rank()
     _check_enough_samples(n, world_size, what)
-    if drop_last:
-        per_rank = _per_rank_samples(n, world_size, drop_last)
-        if per_rank < batch_size:
-            share = (
-                f"the dataset has {_plural(n, 'sample', 'samples')}"
-                if world_size == 1
-                else f"each of the {world_size} ranks gets {per_rank} of the {n} samples"
-            )
+    per_rank = _per_rank_samples(n, world_size, drop_last)
+    if not evaluation and per_rank < batch_size:
+        share = (
+            f"the dataset has {_plural(n, 'sample', 'samples')}"
+            if world_size == 1
+            else f"each of the {world_size} ranks gets {per_rank} of the {n} samples"
+        )
+        if drop_last:
             raise ValueError(
                 f"{what}: drop_last=True with batch_size={batch_size} leaves no batch: {share}. "
                 f"Pass batch_size <= {per_rank} or drop_last=False."
             )
+        # Evaluation is left alone: a validation set in fewer batches than asked changes nothing.
+        overall = f" ({per_rank * world_size} over all ranks, not {batch_size * world_size})"
+        overall = overall if world_size > 1 else ""
+        warnings.warn(
+            f"{what}: batch_size={batch_size} is more than a rank's share of the dataset ({share}), "
+            f"so every batch holds {per_rank} samples, one batch per epoch{overall}. Pass "
+            f"batch_size <= {per_rank}, or use more data.",
+            stacklevel=2,
+        )
     check = _EpochCheck.create("DistributedLoader", shuffle)
     _check_same_on_every_rank(
         what,

@@ -132,11 +132,14 @@ def predict(
     outputs: list[Any] = []
     indices: list[torch.Tensor] = []
     last: Any = None
+    size = 0
+    problem: str | None = None  # this rank's first output without one row per sample
     for batch_idx, batch in batches:
         if batch_idx >= 0:
             if indexed:
                 index, batch = batch
                 indices.append(index)
+                size = len(index)
             batch = last = _to_device(batch, trainer.device)  # type: ignore[arg-type]
         with precision.autocast():
             if callable(predict_step):
@@ -148,8 +151,25 @@ def predict(
             else:
                 output = model(_model_io.split_batch(last)[0])
         if batch_idx >= 0:  # a repeat's output is dropped
-            outputs.append(_detached(_without_nones(output)))
+            output = _per_sample(_detached(output))
+            if indexed and problem is None:
+                problem = _rows_problem(output, size, batch_idx)
+            outputs.append(output)
     model.train(was_training)
+    if indexed:
+        # Agreed before the outputs are gathered, so that every rank raises, not only the one
+        # whose batch showed the problem.
+        problems = all_gather_object(problem)
+        rank, found = next(((r, p) for r, p in enumerate(problems) if p is not None), (0, None))
+        if found is not None:
+            source = "predict_step()" if callable(predict_step) else f"{type(model).__name__}'s forward"
+            label = f"[rank {rank}/{len(problems)}] " if len(problems) > 1 else ""
+            raise ValueError(
+                f"{label}predict() puts every sample's prediction back in dataset order, so each "
+                f"output needs one row per sample, but {source} returned {found}. Return one row per "
+                f"sample (a predict_step(batch, batch_idx) can pick them), or pass a DataLoader to get "
+                f"the outputs batch by batch, in rank order."
+            )
     local = _concatenate(outputs)
     if isinstance(local, list):
         gathered: Any = [item for part in all_gather_object(local) for item in part]
@@ -184,13 +204,43 @@ def _reordered(gathered: Any, order: torch.Tensor) -> Any:
     return [gathered[i] for i in order.tolist()]
 
 
-def _without_nones(output: Any) -> Any:
-    """A tuple output without its ``None`` entries (nanoGPT's ``(logits, None)`` without targets);
-    one entry left is the output itself."""
-    if isinstance(output, tuple) and any(item is None for item in output):
-        kept = tuple(item for item in output if item is not None)
+def _is_per_batch(value: Any) -> bool:
+    """``None`` or a 0-dim tensor: one value for the whole batch (a loss), not one per sample."""
+    return value is None or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
+def _per_sample(output: Any) -> Any:
+    """A dict or tuple output without its per-batch entries (:func:`_is_per_batch`): the loss a
+    Hugging Face model adds when the batch has ``labels``, nanoGPT's ``(logits, None)`` without
+    targets. A tuple with one entry left is that entry."""
+    if isinstance(output, Mapping):
+        return {key: value for key, value in output.items() if not _is_per_batch(value)}
+    if isinstance(output, tuple) and any(_is_per_batch(item) for item in output):
+        kept = tuple(item for item in output if not _is_per_batch(item))
         return kept[0] if len(kept) == 1 else kept
     return output
+
+
+def _rows_problem(output: Any, size: int, batch_idx: int, where: str = "") -> str | None:
+    """What in one batch's ``output`` has not one row per sample (``size``), or ``None``: only rows
+    can be put back in dataset order."""
+    if isinstance(output, Mapping):
+        parts = ((f"{where}[{key!r}]", value) for key, value in output.items())
+    elif isinstance(output, tuple):
+        parts = ((f"{where}[{i}]", value) for i, value in enumerate(output))
+    else:
+        if isinstance(output, torch.Tensor):
+            rows, shown = (output.shape[0] if output.dim() else 1), f"a tensor of shape {tuple(output.shape)}"
+        elif isinstance(output, list):
+            rows, shown = len(output), f"a list of {len(output)}"
+        else:
+            rows, shown = 1, type(output).__name__
+        if rows == size:
+            return None
+        return f"{shown}{f' at output{where}' if where else ''} for batch {batch_idx} ({size} samples)"
+    return next(
+        (found for part, value in parts if (found := _rows_problem(value, size, batch_idx, part))), None
+    )
 
 
 def _detached(output: Any) -> Any:

@@ -19,6 +19,9 @@ one-element tensor of a tuple (nanoGPT's ``(logits, loss)``).
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +84,14 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     """A plain model's ``(inputs, target)`` batch, or a ``TypeError`` naming what came instead."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
+    if isinstance(batch, Mapping):
+        keys = ", ".join(repr(key) for key in batch)
+        raise TypeError(
+            f"the batch is the problem: with loss_fn the batches must be (inputs, target) pairs, got a "
+            f"dict with keys {keys}. For dict batches leave out loss_fn: the Trainer calls "
+            f"model(**batch) and takes the loss from its output (Hugging Face style, the target under "
+            f"'labels'); or give the model a training_step(batch, batch_idx) that returns the loss."
+        )
     raise TypeError(
         f"with a plain model the batches must be (inputs, target) pairs, got {type(batch).__name__}"
         f"{f' of length {len(batch)}' if isinstance(batch, (tuple, list)) else ''}. For other batches "
@@ -91,7 +102,22 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 def call_with_target(module: nn.Module, batch: Any, target_name: str | None) -> Any:
     """The model's output under the ``model_loss`` convention (it computes its loss)."""
     if isinstance(batch, Mapping):
-        return module(**batch)
+        output = module(**batch)
+        # "labels" first: the usual batch costs one lookup per step.
+        if (
+            "labels" not in batch
+            and not any(name in batch for name in TARGET_NAMES)
+            and _found_loss(output) is None
+        ):
+            raise DistkitError(
+                f"model(**batch) returned no loss (got {_describe(output)}), and the batch has no "
+                f"target: its keys are {', '.join(repr(key) for key in batch)}, none of "
+                f"{', '.join(TARGET_NAMES)}. A Hugging Face model computes its loss only when the "
+                f"batch carries 'labels' (for a causal language model, labels=input_ids). Add them to "
+                f"the batches, or give the model a validation_step(batch, batch_idx) (and "
+                f"training_step) of its own; predict() needs no labels."
+            )
+        return output
     if target_name is None:
         raise TypeError(
             f"{type(module).__name__}.forward takes **kwargs but the batches are "
@@ -104,6 +130,19 @@ def call_with_target(module: nn.Module, batch: Any, target_name: str | None) -> 
 
 def loss_of(output: Any, module: nn.Module) -> torch.Tensor:
     """The loss a model returned in ``output`` (see the module docstring), or a ``DistkitError``."""
+    found = _found_loss(output)
+    if found is not None:
+        return found
+    raise DistkitError(
+        f"{type(module).__name__}'s forward took the target but returned no loss the Trainer can find "
+        f"(got {_describe(output)}). It looks for a one-element tensor, output['loss'] or "
+        f"output.loss, or the one one-element tensor of a tuple such as (logits, loss). "
+        + _TRAINING_STEP_EXAMPLE
+    )
+
+
+def _found_loss(output: Any) -> torch.Tensor | None:
+    """The loss in a model's output (see the module docstring) as a 0-dim tensor, or ``None``."""
     if isinstance(output, torch.Tensor) and output.numel() == 1:
         return output.reshape(())
     found: Any = None
@@ -116,12 +155,7 @@ def loss_of(output: Any, module: nn.Module) -> torch.Tensor:
         found = getattr(output, "loss", None)
     if isinstance(found, torch.Tensor) and found.numel() == 1:
         return found.reshape(())
-    raise DistkitError(
-        f"{type(module).__name__}'s forward took the target but returned no loss the Trainer can find "
-        f"(got {_describe(output)}). It looks for a one-element tensor, output['loss'] or "
-        f"output.loss, or the one one-element tensor of a tuple such as (logits, loss). "
-        + _TRAINING_STEP_EXAMPLE
-    )
+    return None
 
 
 def logits_of(output: Any) -> Any:
@@ -143,17 +177,131 @@ def check_loss(loss: Any) -> None:
         )
 
 
-def first_failure(module: nn.Module, batch: Any, err: Exception) -> DistkitError:
-    """The error for ``loss_fn(model(inputs), target)`` failing on the first batch: most often a
-    model whose forward wants the target, or batches that are not ``(inputs, target)``."""
-    shapes = ", ".join(_describe(item) for item in batch) if isinstance(batch, (tuple, list)) else ""
+def first_failure(
+    module: nn.Module, batch: Any, err: Exception, *, in_model: bool, output: Any = None
+) -> DistkitError:
+    """The error for ``loss_fn(model(inputs), target)`` failing on the first batch: first what
+    raised it (the model's forward, or ``loss_fn`` given the model's output), then a guess.
+
+    Args:
+        module: The user's model (its submodules name where a forward failed).
+        batch: The first batch, an ``(inputs, target)`` pair.
+        err: What was raised.
+        in_model: Raised by ``model(inputs)``; else by ``loss_fn(output, target)``.
+        output: The model's output when ``loss_fn`` raised.
+    """
+    inputs, target = batch
+    shapes = f"{_describe(inputs)}, {_describe(target)}"
+    call = "model(inputs)" if in_model else "loss_fn(model(inputs), target)"
+    line = _user_line(err)
+    at = f", at {line}" if line else ""
+    if in_model:
+        inner = _raised_in(module, err)
+        where = (
+            f"The exception was raised in the model's forward"
+            f"{f', in {inner}' if inner else ''}{at}: loss_fn and the target were not reached, so "
+            f"neither is the cause."
+        )
+        guess = _model_guess(module, inputs, err)
+    else:
+        where = (
+            f"The exception was raised in loss_fn, after the model's forward had returned "
+            f"{_describe(output)} (the target: {_describe(target)}){at}."
+        )
+        guess = (
+            f"the output and the target do not fit loss_fn, or the model is meant to compute its own "
+            f"loss. If {_model_name(module)}.forward takes the target itself and returns the loss, drop "
+            f"loss_fn and name that parameter one of {', '.join(TARGET_NAMES)} (the Trainer then "
+            f"passes it by name and finds the loss in the output). Otherwise: " + _TRAINING_STEP_EXAMPLE
+        )
     return DistkitError(
-        f"loss_fn(model(inputs), target) failed on the first batch ({shapes}) with "
-        f"{type(err).__name__}: {err}\n"
-        f"If {type(module).__name__}.forward takes the target itself and returns the loss, drop "
-        f"loss_fn and name that parameter one of {', '.join(TARGET_NAMES)} (the Trainer then passes "
-        f"it by name and finds the loss in the output). Otherwise: " + _TRAINING_STEP_EXAMPLE
+        f"{call} failed on the first batch ({shapes}) with {type(err).__name__}: {err}\n"
+        f"{where}\nLikely cause (a guess): {guess}"
     )
+
+
+# What an error message says, read for a guess at its cause (first match wins).
+_LOW_PRECISION = re.compile(r"bfloat16|BFloat16|\bHalf\b|float16")
+_DTYPE = re.compile(r"dtype|scalar type|expected .* but found", re.IGNORECASE)
+_SHAPE = re.compile(r"shape|size mismatch|sizes? of tensors? must match|cannot be multiplied", re.IGNORECASE)
+
+
+def _model_guess(module: nn.Module, inputs: Any, err: Exception) -> str:
+    text = str(err)
+    name = _model_name(module)
+    if isinstance(err, TypeError) and "positional argument" in text:
+        return (
+            f"{name}.forward wants other arguments than the inputs alone. If it takes the target and "
+            f"returns the loss, drop loss_fn and name that parameter one of {', '.join(TARGET_NAMES)}; "
+            f"for several inputs give the model a training_step(batch, batch_idx)."
+        )
+    if _LOW_PRECISION.search(text):
+        return (
+            "the message names a 16-bit dtype: the model computes in reduced precision "
+            "(precision='bf16-mixed' or '16-mixed') and a layer met float32 values. Under FSDP, mixed "
+            "precision casts the parameters to bfloat16 but not the buffers (BatchNorm's running "
+            "statistics), and CPU kernels refuse the mix: on the CPU train with precision='32', or "
+            "use LayerNorm or GroupNorm instead of BatchNorm."
+        )
+    if _DTYPE.search(text):
+        return (
+            f"a layer got values of another dtype than its parameters (the batch's inputs are "
+            f"{_describe(inputs)}): convert the inputs in the dataset (e.g. .float()), or look for a "
+            f"cast inside the forward."
+        )
+    if _SHAPE.search(text):
+        return (
+            f"the inputs ({_describe(inputs)}) do not fit a layer of the model: check its sizes "
+            f"against the data (e.g. the first Linear's in_features)."
+        )
+    return (
+        f"a bug in {name}'s forward, or inputs it does not expect; model(inputs) on one batch outside "
+        f"the Trainer raises the same, with the debugger at hand."
+    )
+
+
+def _raised_in(module: nn.Module, err: BaseException) -> str | None:
+    """The innermost of ``module``'s submodules whose code is in ``err``'s traceback, as
+    ``"net.1 (BatchNorm1d)"``; ``None`` when no frame belongs to one."""
+    names = {id(sub): name for name, sub in module.named_modules()}
+    found: nn.Module | None = None
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = owner
+        tb = tb.tb_next
+    if found is None:
+        return None
+    name = names[id(found)]
+    return f"{name} ({_model_name(found)})" if name else f"{_model_name(found)}.forward itself"
+
+
+# torch's and distkit's own directories: frames there are not the user's code.
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+
+
+def _user_line(err: BaseException) -> str | None:
+    """``file:line in function`` of the innermost frame of ``err``'s traceback outside torch and
+    distkit (the user's code), or ``None``."""
+    library = _LIBRARY_DIRS
+    found = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if not frame.filename.startswith(library):
+            found = frame
+    return None if found is None else f"{found.filename}:{found.lineno} in {found.name}"
+
+
+def _model_name(module: nn.Module) -> str:
+    """The class name of the user's module, not FSDP's subclass of it (``FSDPNet`` is ``Net``)."""
+    cls = next(
+        (c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed")),
+        type(module),
+    )
+    return cls.__name__
 
 
 def _describe(value: Any) -> str:
@@ -161,4 +309,6 @@ def _describe(value: Any) -> str:
         return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__} of {len(value)}: " + ", ".join(_describe(v) for v in value)
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys " + ", ".join(repr(key) for key in value)
     return type(value).__name__

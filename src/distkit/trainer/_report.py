@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distkit import runtime
+from distkit._data_split import _per_rank_samples
 from distkit._secrets import redact_url
+from distkit.data import DistributedLoader
 from distkit.trainer import _run_config, schedules
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
@@ -29,8 +31,8 @@ def hyperparams(trainer: Trainer) -> dict[str, Any]:
         "device": str(trainer.device),
         "world_size": trainer.world_size,
         "precision": trainer.precision,
-        "batch_size": trainer._per_replica_batch,
-        "effective_batch_size": trainer.effective_batch_size,
+        "batch_size": real_batch(trainer)[0],
+        "effective_batch_size": real_batch(trainer)[1],
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
         "max_epochs": trainer.max_epochs,
         "max_steps": trainer.max_steps,
@@ -71,9 +73,7 @@ def report(trainer: Trainer, resumed_from: int | None) -> str:
         f"  world size     {trainer.world_size}",
         f"  backend        {backend}",
         f"  precision      {trainer.precision}",
-        f"  batch size     {trainer._per_replica_batch} per {unit}, {trainer.effective_batch_size} effective "
-        f"({trainer._per_replica_batch} x {trainer._replicas} {unit}s x {trainer.accumulate_grad_batches} "
-        f"accumulated)",
+        f"  batch size     {_batch_line(trainer, unit)}",
         f"  learning rate  {schedules.describe(trainer)}",
         f"  model          {trainer._model_class.__name__}: {n_params:,} parameters "
         f"({n_trainable:,} trainable)",
@@ -87,6 +87,40 @@ def report(trainer: Trainer, resumed_from: int | None) -> str:
             resumed += "; sharded: every rank writes its shards"
         lines.append(f"  checkpoints    {redact_url(str(checkpoint.directory))} ({resumed})")
     return "\n".join(lines)
+
+
+def real_batch(trainer: Trainer) -> tuple[int, int]:
+    """The batch a step really takes: ``(per replica, effective)``. Smaller than asked when
+    ``batch_size`` is more than a rank's share of the dataset (one batch of the share per epoch)
+    or ``accumulate_grad_batches`` more than the batches of an epoch (a step at the epoch's end).
+    Local."""
+    per_replica = trainer._per_replica_batch
+    loader = trainer._train_loader
+    if isinstance(loader, DistributedLoader) and not loader.evaluation:
+        share = _per_rank_samples(len(loader.dataset), loader.world_size, loader.drop_last)
+        if share < loader.batch_size:
+            # Under DP the loader's batch is split over the GPUs: the first gets the rounded-up part.
+            per_replica = min(per_replica, -(-share // max(1, loader.batch_size // per_replica)))
+    micro = min(trainer.accumulate_grad_batches, max(1, trainer._num_batches))
+    return per_replica, per_replica * trainer._replicas * micro
+
+
+def _batch_line(trainer: Trainer, unit: str) -> str:
+    per_replica, effective = real_batch(trainer)
+    micro = effective // (per_replica * trainer._replicas)
+    line = (
+        f"{per_replica} per {unit}, {effective} effective ({per_replica} x {trainer._replicas} {unit}s x "
+        f"{micro} accumulated)"
+    )
+    asked = []
+    if per_replica != trainer._per_replica_batch:
+        asked.append(f"batch_size={trainer._per_replica_batch} is more than a {unit}'s share of the data")
+    if micro != trainer.accumulate_grad_batches:
+        asked.append(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} is more than the "
+            f"{trainer._num_batches} batch(es) of an epoch"
+        )
+    return line + (f"; {' and '.join(asked)}" if asked else "")
 
 
 def _shown(value: Any) -> str:

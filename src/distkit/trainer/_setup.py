@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from distkit import runtime
 from distkit._secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.data import DistributedLoader, distributed_dataloader
+from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
 from distkit.trainer import _report, _run_config, schedules
 from distkit.trainer._state import (
@@ -303,21 +305,29 @@ def restore(trainer: Trainer) -> int | None:
         return None
     state = trainer.checkpoint_state()
     progress = state["progress"]
-    if trainer.resume == "auto":
-        checkpoint = trainer._checkpoint_callback()
-        if checkpoint is None:
-            raise ValueError(
-                "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
-                "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
-            )
-        if checkpoint.manager.restore(state) is None:
-            _log.info(
-                "resume='auto': no checkpoint in %s yet, starting from step 0",
-                redact_url(str(checkpoint.directory)),
-            )
-            return None
-    else:
-        load_checkpoint(trainer.resume, state)
+    checkpoint = trainer._checkpoint_callback()
+    if trainer.resume == "auto" and checkpoint is None:
+        raise ValueError(
+            "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
+            "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
+        )
+    try:
+        if trainer.resume == "auto":
+            assert checkpoint is not None
+            if checkpoint.manager.restore(state) is None:
+                _log.info(
+                    "resume='auto': no checkpoint in %s yet, starting from step 0",
+                    redact_url(str(checkpoint.directory)),
+                )
+                return None
+        else:
+            load_checkpoint(trainer.resume, state)
+    except Exception as err:
+        # Every rank loads the same checkpoint into the same model, so every rank raises this.
+        changed = _changed_parameters(err)
+        if not changed:
+            raise
+        raise DistkitError(_changed_model_message(trainer, changed)) from err
     trainer.global_step = progress.global_step
     trainer.current_epoch = progress.epoch
     trainer._batches_done = progress.batches_in_epoch
@@ -331,6 +341,89 @@ def restore(trainer: Trainer) -> int | None:
         # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
         _log.info("resuming epoch %d by skipping %d batch(es)", trainer.current_epoch, trainer._batches_done)
     return trainer.global_step
+
+
+# What torch says when a checkpoint's module does not fit the model: load_state_dict (a full
+# checkpoint) and torch.distributed.checkpoint's planner (a sharded one, keys under "model.").
+_SHAPE = r"torch\.Size\(\[([^\]]*)\]\)"
+_LOAD_STATE_DICT_SIZE = re.compile(
+    rf"size mismatch for (\S+): copying a param with shape {_SHAPE} from checkpoint, the shape in "
+    rf"current model is {_SHAPE}"
+)
+_DCP_SIZE = re.compile(rf"Size mismatch between saved {_SHAPE} and current: {_SHAPE} for model\.(\S+)")
+_LOAD_STATE_DICT_KEYS = re.compile(r"(Missing|Unexpected) key\(s\) in state_dict: ((?:\"[^\"]+\"(?:, )?)+)")
+_DCP_MISSING = re.compile(r"Missing key in checkpoint state_dict: model\.(\S+?)\.?(?:\s|$)")
+
+
+def _changed_parameters(err: BaseException) -> list[tuple[str, str | None, str | None]]:
+    """``(name, shape in the checkpoint, shape in the model)`` of every parameter (or buffer) that
+    differs, ``None`` where one side lacks it, read from the messages of ``err``'s chain; empty
+    when the failure was something else."""
+    found: dict[str, tuple[str, str | None, str | None]] = {}
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        text = str(link)
+        for name, saved, current in _LOAD_STATE_DICT_SIZE.findall(text):
+            found.setdefault(name, (name, _shape(saved), _shape(current)))
+        for saved, current, name in _DCP_SIZE.findall(text):
+            found.setdefault(name, (name, _shape(saved), _shape(current)))
+        for kind, names in _LOAD_STATE_DICT_KEYS.findall(text):
+            for name in re.findall(r'"([^"]+)"', names):
+                found.setdefault(name, (name, None, "") if kind == "Missing" else (name, "", None))
+        for name in _DCP_MISSING.findall(text):
+            found.setdefault(name, (name, None, ""))
+        link = link.__cause__ or link.__context__
+    return list(found.values())
+
+
+def _shape(sizes: str) -> str:
+    """``"16, 8"`` (inside torch.Size([...])) as ``"(16, 8)"``; ``"16"`` as ``"(16,)"``."""
+    return str(tuple(int(size) for size in sizes.split(",") if size.strip()))
+
+
+def _changed_line(name: str, saved: str | None, current: str | None) -> str:
+    if saved is None:
+        return f"{name}: in this model, not in the checkpoint"
+    if current is None:
+        return f"{name}: in the checkpoint, not in this model"
+    return f"{name}: {saved} in the checkpoint, {current} in this model"
+
+
+def _changed_model_message(trainer: Trainer, changed: list[tuple[str, str | None, str | None]]) -> str:
+    """The refusal of a resume into a model that differs from the checkpoint's (as TrainerCLI's
+    refusal of a changed ``model.*`` configuration, for the plain Trainer)."""
+    checkpoint = trainer._checkpoint_callback()
+    directory = redact_url(str(checkpoint.directory)) if checkpoint is not None else None
+    source = (
+        f"the checkpoints in {directory}" if trainer.resume == "auto" else redact_url(str(trainer.resume))
+    )
+    root = redact_url(os.fspath(trainer.default_root_dir)).rstrip("/")
+    listed = "".join(f"\n  {_changed_line(*entry)}" for entry in changed[:_MAX_LISTED])
+    if len(changed) > _MAX_LISTED:
+        listed += f"\n  ... and {len(changed) - _MAX_LISTED} more"
+    name, saved, _ = changed[0]
+    was = f"{name} {'absent' if saved is None else 'of shape ' + saved}"
+    here = (
+        f"start over in {directory}: Trainer(resume=None, callbacks=[ModelCheckpoint(overwrite=True)]), "
+        f"which deletes the checkpoints there"
+        if directory is not None
+        else "train it from its own initial weights: Trainer(resume=None)"
+    )
+    return (
+        f"resume={trainer.resume!r} cannot load {source} into the model given to fit(): the model "
+        f"changed since that checkpoint was saved:{listed}\n"
+        f"The checkpoint holds the old model's weights and optimizer state. Three ways out:\n"
+        f"  1. to continue that run, build the model as it was when it was saved ({was});\n"
+        f"  2. to train the changed model, start a new run in another directory: "
+        f"Trainer(default_root_dir={root + '-2'!r}) (or ModelCheckpoint(dirpath=...));\n"
+        f"  3. or {here}."
+    )
+
+
+# A refusal lists this many changed parameters: enough to see the pattern; the rest are counted.
+_MAX_LISTED = 10
 
 
 def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:

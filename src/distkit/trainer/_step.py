@@ -70,12 +70,20 @@ class _StepModule(nn.Module):
         """``loss_fn(model(inputs), target)`` on the first batch, with errors that say what to do."""
         inputs, target = _model_io.split_batch(batch)
         loss_fn = self.__dict__.get("loss_fn") or self._modules["loss_fn"]
+        # Two steps, so that the error says which of them raised: a dtype error inside the
+        # model is no problem of loss_fn or the target.
         try:
-            loss = loss_fn(module(inputs), target)  # type: ignore[misc]
+            output = module(inputs)
         except torch.OutOfMemoryError:
             raise
         except (TypeError, ValueError, RuntimeError, IndexError) as err:
-            raise _model_io.first_failure(module, batch, err) from err
+            raise _model_io.first_failure(module, batch, err, in_model=True) from err
+        try:
+            loss = loss_fn(output, target)  # type: ignore[misc]
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, ValueError, RuntimeError, IndexError) as err:
+            raise _model_io.first_failure(module, batch, err, in_model=False, output=output) from err
         _model_io.check_loss(loss)
         self.checked = True
         return loss  # type: ignore[no-any-return]
