@@ -144,6 +144,8 @@ def wandb_records(path: pathlib.Path) -> Iterator[Any]:
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         chunk = data[pos + 7 : pos + 7 + length]
+        if len(chunk) < length:  # the torn tail of a killed attempt's file
+            return
         pos += 7 + length
         if kind == 0:  # zero padding at the end of a block
             pos += left - 7 - length
@@ -156,11 +158,12 @@ def wandb_records(path: pathlib.Path) -> Iterator[Any]:
 
 
 def wandb_attempts(root: str) -> list[dict[str, Any]]:
-    """One entry per offline run directory, oldest first: id, config, history, summary, exit code."""
+    """One entry per offline run directory, oldest first: id, config, history, summary, exit code
+    (``id`` None for an attempt killed before wandb's service wrote its first record)."""
     attempts = []
     for directory in sorted((pathlib.Path(root) / "wandb").glob("offline-run-*")):
         (log,) = directory.glob("*.wandb")
-        found: dict[str, Any] = {"history": [], "config": {}, "summary": {}, "exit_code": None}
+        found: dict[str, Any] = {"id": None, "history": [], "config": {}, "summary": {}, "exit_code": None}
         for record in wandb_records(log):
             kind = record.WhichOneof("record_type")
             if kind == "run":

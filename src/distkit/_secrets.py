@@ -1,9 +1,13 @@
-"""Credentials kept out of what distkit shows: error messages, exception chains and log records (private).
+"""Credentials kept out of what distkit shows and writes: error messages, exception chains, log
+records, and the artefacts of a run (private).
 
 :func:`redact_url` hides the user part and the query values of a URL; :class:`Scrubber` hides the
 credentials of one call (its ``storage_options`` and URLs) in text, in exceptions (the whole
 ``__cause__``/``__context__`` chain) and, while :meth:`Scrubber.active`, in every log record the
-process creates, including those of fsspec, aiohttp and botocore.
+process creates, including those of fsspec, aiohttp and botocore. :func:`redact_text`,
+:func:`redact_data` and :func:`redact_argv` apply the same URL, header and bearer-token redaction to
+what a run writes or sends: its configuration (``config.yaml``, ``hparams.json``, the trackers'
+parameters), metric names, and the command line a tracker records.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from urllib.parse import parse_qsl, quote, quote_plus, unquote, unquote_plus, ur
 
 from distkit.errors import DistkitError, MainProcessError
 
-__all__ = ["Scrubber", "is_secret_name", "redact_url"]
+__all__ = [
+    "Scrubber",
+    "is_credential_key",
+    "is_secret_name",
+    "redact_argv",
+    "redact_data",
+    "redact_text",
+    "redact_url",
+]
 
 T = TypeVar("T")
 
@@ -76,6 +88,155 @@ def is_secret_name(name: str) -> bool:
         return True
     words = {word.lower() for word in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)}
     return not words.isdisjoint(_SECRET_WORDS)
+
+
+# Words that name a credential in a configuration key (is_credential_key), and the beginnings and
+# endings of compound words that do (apikey, hf_token, aws_secret_access_key, db_password).
+_CREDENTIAL_WORDS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "password",
+        "passwd",
+        "passphrase",
+        "credential",
+        "credentials",
+        "creds",
+        "auth",
+        "authorization",
+        "signature",
+        "cookie",
+        "bearer",
+        "connectionstring",
+        *_SECRET_WORDS,
+        *_SECRET_PARTS,
+    }
+)
+_CREDENTIAL_ENDINGS = (
+    "apikey",
+    "accesskey",
+    "secretkey",
+    "privatekey",
+    "secret",
+    "token",
+    "password",
+    "passwd",
+)
+_CREDENTIAL_BEGINNINGS = ("passw", "secret", "credential")
+# Nesting deeper than this is not configuration data (a cycle, or an object graph): left as it is.
+_MAX_DEPTH = 32
+
+
+def is_credential_key(name: str) -> bool:
+    """Whether a configuration key called ``name`` holds a credential, so that its text is hidden.
+
+    Narrower than :func:`is_secret_name`, which decides for storage options and headers: a
+    configuration's names are a model's and a dataset's (``tokenizer``, ``max_tokens``, ``keys``,
+    ``author``), and hiding their values would break the saved config. A key is a credential's
+    when one of its words (split at ``_``, ``-``, ``.`` and case changes) is one (``key``,
+    ``token``, ``secret``, ``password``, ``auth``, ``sig``, ``sas``...), or ends like one
+    (``apikey``, ``hftoken``, ``dbpassword``).
+
+    Example:
+        >>> names = ("api_key", "hf_token", "AWS_SECRET_ACCESS_KEY", "tokenizer", "keys")
+        >>> [is_credential_key(name) for name in names]
+        [True, True, True, False, False]
+    """
+    words = [word.lower() for word in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
+    return any(
+        word in _CREDENTIAL_WORDS
+        or word.endswith(_CREDENTIAL_ENDINGS)
+        or word.startswith(_CREDENTIAL_BEGINNINGS)
+        for word in words
+    )
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the credentials that need no configured value to be recognised replaced by
+    ``***``: a URL's user part and query values (as :func:`redact_url`), the values of credential
+    headers, and bearer tokens.
+
+    Example:
+        >>> redact_text("saving to memory://AK:pw@bucket/run?token=t0k")
+        'saving to memory://***@bucket/run?token=***'
+    """
+    return _redact_patterns(text)
+
+
+def redact_data(value: Any, *, secret: bool = False) -> Any:
+    """A copy of configuration data (mappings, lists, strings, numbers) fit to be written or sent:
+    every string (keys included) through :func:`redact_text`, and every string under a key that
+    :func:`is_credential_key` names, at any depth, replaced by ``***`` whole. Numbers, booleans and
+    ``None`` stay; another object stays unless its text shows a credential (then it is that text,
+    redacted). Idempotent: redacting redacted data changes nothing.
+
+    Args:
+        value: The data.
+        secret: Whether ``value`` is itself a credential's (the value of such a key).
+
+    Example:
+        >>> redact_data({"dirpath": "s3://AK:pw@b/run", "api_token": "t0k", "tokenizer": "gpt2"})
+        {'dirpath': 's3://***@b/run', 'api_token': '***', 'tokenizer': 'gpt2'}
+    """
+    return _redact_data(value, secret, 0)
+
+
+def _redact_data(value: Any, secret: bool, depth: int) -> Any:
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        return value
+    if isinstance(value, str):
+        return _REDACTED if secret and value else redact_text(value)
+    if isinstance(value, (bytes, bytearray)):
+        return _REDACTED.encode() if secret and value else value
+    if depth > _MAX_DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {
+            (redact_text(key) if isinstance(key, str) else key): _redact_data(
+                item, secret or (isinstance(key, str) and is_credential_key(key)), depth + 1
+            )
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_redact_data(item, secret, depth + 1) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    try:
+        text = str(value)
+    except Exception:  # a broken __str__: nothing of it is shown
+        return value
+    if secret:
+        return _REDACTED
+    cleaned = redact_text(text)
+    return value if cleaned == text else cleaned
+
+
+def redact_argv(argv: Iterable[str]) -> list[str]:
+    """A command line fit to be recorded: each argument through :func:`redact_text`, and the value
+    of an option whose last name part is a credential key (``--data.api_token VALUE``,
+    ``--data.api_token=VALUE``) replaced by ``***``.
+
+    Example:
+        >>> redact_argv(["--data.url", "s3://AK:pw@b/x", "--data.api_token", "t0k", "--lr=0.1"])
+        ['--data.url', 's3://***@b/x', '--data.api_token', '***', '--lr=0.1']
+    """
+    cleaned: list[str] = []
+    hide_next = False
+    for argument in argv:
+        if hide_next and not argument.startswith("-"):
+            cleaned.append(_REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if argument.startswith("-"):
+            name, equals, _ = argument.lstrip("-").partition("=")
+            if is_credential_key(name.rpartition(".")[2]):
+                if equals:
+                    cleaned.append(argument.partition("=")[0] + "=" + _REDACTED)
+                    continue
+                hide_next = True
+        cleaned.append(redact_text(argument))
+    return cleaned
 
 
 def _redact_fields(query: str) -> str:

@@ -1,15 +1,18 @@
 """The errors of :class:`distkit.TrainerCLI`: jsonargparse's messages made to name the key, the
-value, the expected type and the file it came from (with a "did you mean"). Local."""
+value, the expected type and the file it came from (with a "did you mean"), and the check that a
+config's class paths name only subclasses of the declared bases (a config is data, not code). Local."""
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
+import functools
 import importlib
 import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from jsonargparse import ArgumentParser
@@ -127,7 +130,8 @@ def _value_in_namespace_text(text: str, name: str) -> Any:
     return found.group(1).strip("'") if found else None
 
 
-def _config_paths(argv: list[str]) -> list[str]:
+def config_paths(argv: list[str]) -> list[str]:
+    """The ``-c/--config`` files of ``argv``, in order. Local."""
     paths = []
     for i, arg in enumerate(argv):
         if arg in ("-c", "--config") and i + 1 < len(argv):
@@ -141,7 +145,7 @@ def _broken_config_file(argv: list[str]) -> str | None:
     """What is wrong with the first ``--config`` file that is missing or not valid YAML, if any."""
     import yaml
 
-    for path in _config_paths(argv):
+    for path in config_paths(argv):
         if "\n" in path or path.lstrip().startswith("{"):
             continue  # jsonargparse also takes the config itself as the value
         try:
@@ -160,7 +164,7 @@ def _value_in_config_files(argv: list[str], key: str) -> tuple[Any, str | None]:
     import yaml
 
     value, where = None, None
-    for path in _config_paths(argv):
+    for path in config_paths(argv):
         try:
             with open(path, encoding="utf-8") as handle:
                 node: Any = yaml.safe_load(handle)
@@ -218,3 +222,379 @@ def _tidy(text: str) -> str:
     text = re.sub(r"<class '(?:builtins\.)?([^']+)'>", r"\1", text)
     text = text.replace("collections.abc.", "").replace("typing.", "")
     return text.replace("NoneType", "None")
+
+
+# ------------------------------------------------------------------------------------------------
+# Class paths: a config is data, not code
+#
+# jsonargparse calls what a class path names when it instantiates the config: a class with its init
+# args, and also, where the option's type allows it, a function (any callable under a ``Callable``
+# type, one whose return annotation fits under a class type, anything under ``Any``). A config file
+# could then run ``os.system`` on every rank. The check below runs on the parsed configuration,
+# before anything is instantiated: every class path must name a class that is a subclass of the
+# base its position declares, and a function or other callable named by the config is refused,
+# unless the script allowed it (``TrainerCLI(allow_callables=...)``). Importing the module a class
+# path names runs that module's top level, as in LightningCLI: that is the trust model
+# (``docs/config.md``, "What a config may run").
+
+_NO_BASES: tuple[type, ...] = ()
+# Classes that are values, not bases: a class path is never needed for them.
+_LEAF_TYPES = (str, bytes, bool, int, float, complex, type(None))
+
+
+class _Refused(Exception):
+    """A class path or callable the config may not name; the message says which and why."""
+
+
+def untrusted_class_path(
+    parser: ArgumentParser, config: Any, allowed: Sequence[Any], argv: list[str]
+) -> str | None:
+    """The first class path (or function) in the parsed ``config`` that names something other than
+    a subclass of the base its key declares, as an error message; ``None`` when there is none.
+
+    Local; calls nothing the config names (it imports the modules, which jsonargparse did already).
+    """
+    for action in _typed_actions(parser):
+        try:
+            value = config.get(action.dest) if hasattr(config, "get") else None
+        except (KeyError, AttributeError):
+            continue
+        try:
+            _check(value, action._typehint, action.dest, action.default, allowed, raw=False)
+        except _Refused as refused:
+            where = _value_in_config_files(argv, action.dest)[1]
+            return f"{refused} (in {where})" if where else str(refused)
+    return None
+
+
+def untrusted_in_raw_input(parser: ArgumentParser, argv: list[str], allowed: Sequence[Any]) -> str | None:
+    """Like :func:`untrusted_class_path`, on the raw ``--config`` files and ``--key VALUE`` options
+    of ``argv``: why a config that jsonargparse could not parse was refused, when the reason is a
+    class path naming a function."""
+    import yaml
+
+    actions = _typed_actions(parser)
+    for path in config_paths(argv):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data: Any = yaml.safe_load(handle)
+        except (OSError, yaml.YAMLError):
+            continue
+        for action in actions:
+            node: Any = data
+            for part in action.dest.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            refused = _raw_refusal(action, node, allowed)
+            if refused is not None:
+                return f"{refused} (in {path})"
+    by_option = {f"--{action.dest}": action for action in actions}
+    for index, argument in enumerate(argv):
+        option, equals, text = argument.partition("=")
+        action = by_option.get(option)
+        if action is None:
+            continue
+        if not equals:
+            if index + 1 >= len(argv):
+                continue
+            text = argv[index + 1]
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        refused = _raw_refusal(action, value, allowed)
+        if refused is not None:
+            return f"{refused} (on the command line)"
+    return None
+
+
+def _raw_refusal(action: Any, value: Any, allowed: Sequence[Any]) -> str | None:
+    if value is None:
+        return None
+    try:
+        _check(value, action._typehint, action.dest, action.default, allowed, raw=True)
+    except _Refused as refused:
+        return str(refused)
+    return None
+
+
+def _typed_actions(parser: ArgumentParser) -> list[Any]:
+    hidden = ("help", "config", "print_config", "print_shtab")
+    return [
+        a
+        for a in parser._actions
+        if hasattr(a, "_typehint") and a.dest not in hidden and not a.dest.endswith(".help")
+    ]
+
+
+def _check(value: Any, hint: Any, key: str, default: Any, allowed: Sequence[Any], *, raw: bool) -> None:
+    """Raise :class:`_Refused` when ``value`` (at ``key``, typed ``hint``) names what it may not."""
+    if _is_spec(value):
+        _check_spec(value, hint, key, allowed, raw=raw)
+    elif isinstance(value, str):
+        # Parsed, a string is data (jsonargparse has made the import paths it accepted into objects,
+        # and keeps a default's as text). Raw, at a key that takes no text, it is an import path.
+        if raw and "." in value and _bases(hint) and not _accepts_text(hint):
+            _check_spec({"class_path": value}, hint, key, allowed, raw=True)
+    elif isinstance(value, _LEAF_TYPES):
+        return
+    elif inspect.isclass(value) or inspect.ismodule(value):
+        return  # a class as a value (``type[X]`` options) is not called by the config
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        item = _item_hint(hint)
+        for index, element in enumerate(value):
+            _check(element, item, f"{key}[{index}]", None, allowed, raw=raw)
+    elif isinstance(value, Mapping) or _is_namespace(value):
+        items = value.items() if isinstance(value, Mapping) else vars(value).items()
+        for name, element in items:
+            _check(element, _value_hint(hint, name), f"{key}.{name}", None, allowed, raw=raw)
+    elif callable(value):
+        if value is default or _is_allowed(value, allowed):
+            return
+        bases = _bases(hint)
+        if bases and not _is_routine(value) and isinstance(value, bases):
+            return  # an importable instance of the declared base: nothing is called to get it
+        raise _Refused(_refusal(key, _import_path(value), value, bases, hint))
+
+
+def _check_spec(spec: Any, hint: Any, key: str, allowed: Sequence[Any], *, raw: bool) -> None:
+    path = str(spec["class_path"])
+    bases = _bases(hint)
+    target = resolve(path, bases)
+    if target is None:
+        if raw:
+            return  # jsonargparse's own error says it cannot be imported
+        raise _Refused(
+            f"{key}: class_path {path} cannot be imported, so it cannot be checked against "
+            f"{_names(bases) or 'a base class'}. Give the full import path of a class."
+        )
+    subclass = bool(bases) and inspect.isclass(target) and _is_subclass(target, bases)
+    if not subclass and not _is_allowed(target, allowed):
+        raise _Refused(_refusal(key, path, target, bases, hint))
+    init_args = _get(spec, "init_args")
+    if init_args:
+        parameters = _parameters(target)
+        items = init_args.items() if isinstance(init_args, Mapping) else vars(init_args).items()
+        for name, element in items:
+            element_hint, element_default = parameters.get(name, (Any, None))
+            _check(element, element_hint, f"{key}.init_args.{name}", element_default, allowed, raw=raw)
+    extra = _get(spec, "dict_kwargs")
+    if extra:
+        _check(dict(extra), Any, f"{key}.dict_kwargs", None, allowed, raw=raw)
+
+
+def _refusal(key: str, path: str, target: Any, bases: tuple[type, ...], hint: Any) -> str:
+    if not bases:
+        found = (
+            f"{path} is refused: the type of {key} ({_type_name(hint)}) declares no base class to "
+            f"check it against"
+        )
+    elif inspect.isclass(target):
+        found = f"{path} is not a subclass of {_names(bases)}"
+    else:
+        found = f"{path} is {_kind(target)}, not a subclass of {_names(bases)}"
+    fix = "" if bases else f"Give plain data at {key}, or type that option with its values' base class. "
+    return (
+        f"{key}: {found}. Nothing was called: a config is data, so its class paths name classes of the "
+        f"declared type only. {fix}To let a config name this callable on purpose (a factory), allow it "
+        f"in the script: TrainerCLI(..., allow_callables=[{path!r}])."
+    )
+
+
+def _kind(target: Any) -> str:
+    if isinstance(target, functools.partial):
+        return "a functools.partial"
+    if inspect.isbuiltin(target):
+        return "a built-in function"
+    if inspect.isroutine(target):
+        return "a function"
+    return f"an object of type {type(target).__name__}"
+
+
+def _is_routine(value: Any) -> bool:
+    return inspect.isroutine(value) or isinstance(value, functools.partial)
+
+
+def _is_allowed(target: Any, allowed: Sequence[Any]) -> bool:
+    return any(target is entry for entry in allowed)
+
+
+def _is_spec(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return "class_path" in value and isinstance(value["class_path"], str)
+    return _is_namespace(value) and isinstance(getattr(value, "class_path", None), str)
+
+
+def _is_namespace(value: Any) -> bool:
+    return type(value).__name__ == "Namespace" and hasattr(value, "__dict__")
+
+
+def _get(spec: Any, name: str) -> Any:
+    return spec.get(name) if isinstance(spec, Mapping) else getattr(spec, name, None)
+
+
+def _bases(hint: Any) -> tuple[type, ...]:
+    """The classes a class path at a position typed ``hint`` must subclass (none for ``Any``)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return _bases(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return tuple(dict.fromkeys(base for arg in args for base in _bases(arg)))
+    if origin is collections.abc.Callable:
+        return _bases(args[-1]) if args else _NO_BASES
+    if origin is not None or not isinstance(hint, type):
+        return _NO_BASES  # containers, Literal, type[X], Any, forward references
+    if hint in _LEAF_TYPES or hint is object or hint.__module__ in ("builtins", "collections.abc", "typing"):
+        return _NO_BASES
+    return (hint,)
+
+
+def _accepts_text(hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return _accepts_text(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_accepts_text(arg) for arg in args)
+    return hint is str or hint is Any or hint is object
+
+
+def _item_hint(hint: Any) -> Any:
+    """The type of the items of a list at a position typed ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return _item_hint(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        items = [_item_hint(arg) for arg in args if _is_sequence_type(arg)]
+        return _union(items)
+    if origin is tuple:
+        kept = [arg for arg in args if arg is not Ellipsis]
+        return _union(kept)
+    if origin is not None and _is_sequence_type(hint) and args:
+        return args[0]
+    return Any
+
+
+def _union(hints: list[Any]) -> Any:
+    """``Union[hints]`` (built from a list, which the ``X | Y`` syntax cannot), ``Any`` for none."""
+    return typing.Union[tuple(hints)] if hints else Any  # noqa: UP007
+
+
+def _is_sequence_type(hint: Any) -> bool:
+    origin = typing.get_origin(hint) or hint
+    iterable = isinstance(origin, type) and issubclass(origin, collections.abc.Iterable)
+    return iterable and origin not in (str, bytes)
+
+
+def _value_hint(hint: Any, name: str) -> Any:
+    """The type of the value under ``name`` of a mapping at a position typed ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return _value_hint(args[0], name)
+    if origin is typing.Union or origin is types.UnionType:
+        values = [_value_hint(arg, name) for arg in args if _is_mapping_type(arg) or _bases(arg)]
+        return _union(values)
+    if origin is not None and _is_mapping_type(hint) and len(args) == 2:
+        return args[1]
+    bases = _bases(hint)
+    if len(bases) == 1:  # a mapping where a class is expected: its init args (implicit class_path)
+        return _parameters(bases[0]).get(name, (Any, None))[0]
+    return Any
+
+
+def _is_mapping_type(hint: Any) -> bool:
+    origin = typing.get_origin(hint) or hint
+    return isinstance(origin, type) and issubclass(origin, collections.abc.Mapping)
+
+
+def _is_subclass(target: type, bases: tuple[type, ...]) -> bool:
+    try:
+        return issubclass(target, bases)
+    except TypeError:  # a base that is a non-runtime Protocol
+        return False
+
+
+def _parameters(target: Any) -> dict[str, tuple[Any, Any]]:
+    """``name -> (type hint, default)`` of what calling ``target`` takes (a class: its ``__init__``)."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return {}
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # an annotation that does not resolve: such parameters count as Any
+        hints = {}
+    found: dict[str, tuple[Any, Any]] = {}
+    for name, parameter in signature.parameters.items():
+        annotation = hints.get(name, parameter.annotation)
+        if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+            annotation = Any
+        default = None if parameter.default is inspect.Parameter.empty else parameter.default
+        found[name] = (annotation, default)
+    return found
+
+
+def resolve(path: str, bases: tuple[type, ...]) -> Any:
+    """What ``path`` names: an import path, or a class name jsonargparse resolves among the
+    subclasses of ``bases`` (``SGD``); ``None`` when it names nothing."""
+    if "." not in path:
+        for base in bases:
+            found = _subclass_named(base, path)
+            if found is not None:
+                return found
+        return None
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            target: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[cut:]:
+                target = getattr(target, attribute)
+        except AttributeError:
+            return None
+        return target
+    return None
+
+
+def _subclass_named(base: type, name: str) -> type | None:
+    seen: set[type] = set()
+    stack = [base]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if cls.__name__ == name:
+            return cls
+        try:
+            stack.extend(cls.__subclasses__())
+        except TypeError:
+            continue
+    return None
+
+
+def public_path(obj: Any) -> str:
+    """``torch.optim.Optimizer`` rather than ``torch.optim.optimizer.Optimizer``: the shortest
+    module path that exports ``obj`` under its name. Local."""
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not name:
+        return repr(obj)
+    parts = module.split(".")
+    for cut in range(1, len(parts)):
+        parent = ".".join(parts[:cut])
+        try:
+            if getattr(importlib.import_module(parent), name, None) is obj:
+                return f"{parent}.{name}"
+        except ImportError:
+            continue
+    return f"{module}.{name}"
+
+
+def _import_path(obj: Any) -> str:
+    if isinstance(obj, functools.partial):
+        return "functools.partial"
+    return public_path(obj)
+
+
+def _names(bases: tuple[type, ...]) -> str:
+    return " or ".join(public_path(base) for base in bases)

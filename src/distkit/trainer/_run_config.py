@@ -9,6 +9,13 @@ mistake a config file makes easy). Any other change (``trainer.max_epochs``, ``d
 learning rate) is a warning listing old and new values: extending a run or lowering its learning
 rate are what a resume is for.
 
+Credentials never reach a file or a tracker: what is written (``config.yaml``), logged (the
+hyperparameters) or compared (across ranks, on resume) is the configuration after
+:func:`distkit._secrets.redact_data`, the redaction of distkit's own messages (a URL's user part and
+query values, values under credential names). The saved file is compared with the redacted new one,
+so a rotated token is no change of the run. ``config.yaml`` has the checkpoints' mode (owner only,
+``docs/config.md``).
+
 Without a ``run_config`` (a Trainer built in Python) nothing here runs and nothing is written.
 PyYAML is imported only then: it comes with jsonargparse (``distkit[config]``).
 """
@@ -23,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distkit import runtime
-from distkit._fs import atomic_open, umask_mode
-from distkit._secrets import redact_url
+from distkit._fs import atomic_open
+from distkit._secrets import redact_data, redact_url
+from distkit.checkpoint._commit import DEFAULT_FILE_MODE
 from distkit.collectives import all_gather_object, broadcast_object
 from distkit.errors import DistkitError
 
@@ -45,19 +53,24 @@ _MISSING = "<absent>"
 
 _HEADER = (
     "# The resolved configuration of this run, written by distkit.TrainerCLI (main process).\n"
-    "# Run it again with: python <script> --config config.yaml\n"
+    "# Credentials are *** here (URLs' user parts and query values, values under credential names):\n"
+    "# give them again when you run it with: python <script> --config config.yaml\n"
 )
 
 
 def get_run_config(trainer: Trainer) -> dict[str, Any] | None:
-    """The run configuration the Trainer carries, or ``None``. Local."""
+    """The run configuration the Trainer carries, or ``None``. Local.
+
+    Redacted (:func:`distkit._secrets.redact_data`): this is the configuration as it is saved,
+    logged and compared; the Trainer's own objects keep the real values.
+    """
     config = getattr(trainer, "run_config", None)
     if config is not None and not isinstance(config, Mapping):
         raise TypeError(
             f"trainer.run_config must be a dict of the resolved configuration or None, got "
             f"{type(config).__name__}."
         )
-    return None if config is None else dict(config)
+    return None if config is None else redact_data(dict(config))
 
 
 def config_path(trainer: Trainer) -> Path:
@@ -203,12 +216,16 @@ def save(trainer: Trainer, resumed_from: int | None) -> None:
 
 
 def write(path: Path, config: Mapping[str, Any]) -> None:
-    """Write ``config`` as YAML at ``path``, atomically (a reader never sees half a file). Local."""
+    """Write ``config`` as YAML at ``path``, atomically (a reader never sees half a file), its
+    credentials redacted, readable by the owner only. Local."""
     import yaml
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = _HEADER + yaml.safe_dump(json.loads(json.dumps(dict(config), default=str)), sort_keys=False)
-    with atomic_open(path, mode=umask_mode(0o666)) as handle:
+    data = redact_data(json.loads(json.dumps(dict(config), default=str)))
+    text = _HEADER + yaml.safe_dump(data, sort_keys=False)
+    # The checkpoints' mode (owner only): the one rule of the files distkit writes in a run
+    # directory (docs/config.md, "Credentials and file modes").
+    with atomic_open(path, mode=DEFAULT_FILE_MODE) as handle:
         handle.write(text.encode())
 
 
@@ -223,8 +240,8 @@ def hyperparams(trainer: Trainer, derived: Mapping[str, Any]) -> dict[str, Any]:
     """
     config = get_run_config(trainer)
     if config is None:
-        return dict(derived)
-    return {**copy.deepcopy(config), "run": dict(derived)}
+        return redact_data(dict(derived))  # type: ignore[no-any-return]
+    return {**copy.deepcopy(config), "run": redact_data(dict(derived))}
 
 
 def _refusal(trainer: Trainer, config: Mapping[str, Any]) -> str | None:
@@ -243,8 +260,9 @@ def _refusal(trainer: Trainer, config: Mapping[str, Any]) -> str | None:
         return None
     first_key, (old_value, _) = next(iter(refused.items()))
     root = os.fspath(trainer.default_root_dir)
+    resume = redact_url(str(trainer.resume))
     return (
-        f"resume={trainer.resume!r} continues the run in {redact_url(root)} (from {redact_url(checkpoint)}), "
+        f"resume={resume!r} continues the run in {redact_url(root)} (from {redact_url(checkpoint)}), "
         f"but the model configuration changed since that run started ({path}):\n"
         f"{_listing(refused)}\n"
         f"The checkpoint holds the old model's weights and optimizer state. To continue that run, "

@@ -36,6 +36,7 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
     ) from _err
 
 from distkit import runtime
+from distkit._secrets import Scrubber
 from distkit.seeding import seed_everything
 from distkit.trainer import _config_errors
 from distkit.trainer.trainer import Trainer
@@ -72,6 +73,15 @@ class TrainerCLI:
     (main process), logs it as the hyperparameters, and on a resume refuses a changed ``model.*``
     and warns about other changes (``docs/config.md``).
 
+    A config is data, not code: every class path in it (``optimizer``, ``lr_scheduler``,
+    ``trainer.callbacks``, ``trainer.logger``, an option typed ``nn.Module``...) must name a subclass
+    of the base its key declares, checked before anything is instantiated. A function, a built-in,
+    a ``functools.partial`` or any class of another type is refused (exit code 2, naming the key and
+    the base), unless the script lists it in ``allow_callables``. Importing the module a class path
+    names runs that module's top level, as in LightningCLI (``docs/config.md``, "What a config may
+    run"). What the run writes or sends from the config (``config.yaml``, the hyperparameters, error
+    messages) has its credentials redacted.
+
     Subclass and override :meth:`add_arguments_to_parser` to add options of your own (read them
     from :attr:`config` afterwards).
 
@@ -96,6 +106,10 @@ class TrainerCLI:
         run: Parse, build and call :meth:`fit`; ``False`` only parses and builds (call
             :meth:`fit` yourself, or use the objects).
         description: The first line of ``--help``; the main script's docstring when ``None``.
+        allow_callables: Functions (or other callables, or classes of another type) that a config
+            may name where a subclass of the declared base is expected, e.g. a factory
+            ``make_optimizer(params) -> Optimizer`` for ``optimizer``: the objects, or their import
+            paths. The script's author decides this, not the config.
 
     Attributes:
         parser: The jsonargparse ``ArgumentParser``.
@@ -114,8 +128,9 @@ class TrainerCLI:
     Raises:
         SystemExit: Code 2 after printing what is wrong with the command line or a config file: an
             unknown key (with the value given, and the keys that exist), a value of the wrong type
-            (with the expected type), a missing required value. Code 0 after ``--help`` or
-            ``--print_config``.
+            (with the expected type), a missing required value, a class path that names something
+            other than a subclass of its key's base. Code 0 after ``--help`` or ``--print_config``.
+        ValueError: An import path in ``allow_callables`` that does not import.
         ImportError: jsonargparse is not installed (``pip install 'distkit[config]'``).
 
     Example:
@@ -162,6 +177,7 @@ class TrainerCLI:
         args: Sequence[str] | None = None,
         run: bool = True,
         description: str | None = None,
+        allow_callables: Iterable[Callable[..., Any] | str] = (),
     ) -> None:
         if not callable(model):
             raise TypeError(f"model must be an nn.Module class or a function returning one, got {model!r}.")
@@ -173,6 +189,7 @@ class TrainerCLI:
         self._data_factory = data
         self._loss_fn = loss_fn
         self._metrics = dict(metrics) if metrics is not None else None
+        self._allowed = _allowed_callables(allow_callables)
 
         self.parser = self._make_parser(
             description, optimizer, lr_scheduler, scheduler_interval, dict(trainer_defaults or {})
@@ -283,15 +300,24 @@ class TrainerCLI:
         quiet = io.StringIO() if env[0] != 0 else None
         try:
             with contextlib.redirect_stdout(quiet) if quiet is not None else contextlib.nullcontext():
-                return self.parser.parse_args(argv)
+                config = self.parser.parse_args(argv)
         except SystemExit:
             raise
         except Exception as err:  # jsonargparse's ArgumentError, or a TypeError of a config value
-            self._fail(_config_errors.explain(self.parser, err, argv), env)
+            refused = _config_errors.untrusted_in_raw_input(self.parser, argv, self._allowed)
+            self._fail(refused or _config_errors.explain(self.parser, err, argv), env, argv)
+        # Before anything is instantiated: a class path names a subclass of its key's base, and a
+        # function only when the script allowed it (docs/config.md, "What a config may run").
+        refused = _config_errors.untrusted_class_path(self.parser, config, self._allowed, argv)
+        if refused is not None:
+            self._fail(refused, env, argv)
+        return config
 
-    def _fail(self, message: str, env: tuple[int, int]) -> NoReturn:
+    def _fail(self, message: str, env: tuple[int, int], argv: list[str]) -> NoReturn:
         rank, world_size = env
         prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
+        # The message quotes what was given: its credentials go, as in distkit's other messages.
+        message = _given_options(argv).text(message)
         print(f"{self.parser.prog}: error: {prefix}{message}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -419,6 +445,49 @@ def _split_data(data: Any) -> tuple[Any, Any]:
             f"with train_dataset() and val_dataset()."
         )
     return data, None
+
+
+def _given_options(argv: list[str]) -> Scrubber:
+    """What hides the credentials given in ``argv`` and its ``--config`` files: URLs' user parts and
+    query values, and the values of options with credential names (``--data.api_token``)."""
+    import yaml
+
+    given: dict[str, Any] = {}
+    for index, argument in enumerate(argv):
+        if not argument.startswith("--"):
+            continue
+        name, equals, value = argument[2:].partition("=")
+        if not equals and index + 1 < len(argv):
+            value = argv[index + 1]
+        given[name.rpartition(".")[2]] = value
+    files = []
+    for path in _config_errors.config_paths(argv):
+        with contextlib.suppress(OSError, yaml.YAMLError), open(path, encoding="utf-8") as handle:
+            files.append(yaml.safe_load(handle))
+    return Scrubber([given, *files])
+
+
+def _allowed_callables(entries: Iterable[Callable[..., Any] | str]) -> tuple[Any, ...]:
+    """The functions (or classes) a config may name beyond the declared bases' subclasses."""
+    if isinstance(entries, (str, bytes)) or callable(entries):
+        raise TypeError(
+            f"allow_callables must be a list of functions or import paths, got {entries!r}; "
+            f"write allow_callables=[{entries!r}]."
+        )
+    allowed = []
+    for entry in entries:
+        if isinstance(entry, str):
+            target = _config_errors.resolve(entry, ())
+            if target is None:
+                raise ValueError(
+                    f"allow_callables: cannot import {entry!r}; give the function itself or its full "
+                    f"import path, e.g. 'mypackage.optim.make_optimizer'."
+                )
+            entry = target
+        if not callable(entry):
+            raise TypeError(f"allow_callables takes functions, classes or import paths, got {entry!r}.")
+        allowed.append(entry)
+    return tuple(allowed)
 
 
 def _launch_env() -> tuple[int, int]:

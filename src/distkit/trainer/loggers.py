@@ -3,6 +3,11 @@ as extras.
 
 The Trainer calls loggers on the main process only, with values already reduced across ranks, so a
 logger never communicates and never sees a rank's partial view.
+
+What every built-in logger writes or sends goes through distkit's redaction first
+(:mod:`distkit._secrets`: a URL's user part and query values, values under credential names), and
+the files it writes in a run directory have the checkpoints' mode, owner only (``FILE_MODE``;
+the folders it makes for a tracker's own files, ``DIR_MODE``); ``docs/trainer.md``, "Loggers".
 """
 
 from __future__ import annotations
@@ -18,10 +23,41 @@ from typing import Any
 
 from distkit import runtime
 from distkit._fs import atomic_open
+from distkit._secrets import redact_data, redact_text
+from distkit.checkpoint._commit import DEFAULT_FILE_MODE
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
 
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+#: Permission bits of the files the loggers write in a run directory: the checkpoints' (0o600,
+#: the owner only), so that one rule covers what distkit writes there. A config or a metric file
+#: is no credential once redacted, but it is the run's, as its checkpoints are: sharing it is a
+#: decision (chmod, or a copy), not the umask's default.
+FILE_MODE = DEFAULT_FILE_MODE
+#: Permission bits of the folders a logger makes for a tracker's own files (``tensorboard/``,
+#: ``mlruns/``, ``wandb/``), which the tracker writes with the umask: owner only, as the
+#: checkpoints' folders, so those files are the owner's too.
+DIR_MODE = 0o700
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) if missing, the folder itself with :data:`DIR_MODE`;
+    an existing folder keeps its mode. Local."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=DIR_MODE, exist_ok=True)
+
+
+def plain_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` as JSON data (other objects as their text), redacted
+    (:func:`distkit._secrets.redact_data`): what a logger may write or send. Local."""
+    return redact_data(json.loads(json.dumps(dict(params), default=str)))  # type: ignore[no-any-return]
+
+
+def metric_names(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with each name through :func:`distkit._secrets.redact_text` (a name is text a
+    user's code chose, and could hold a URL). Local."""
+    return {redact_text(str(name)): value for name, value in metrics.items()}
 
 
 class Logger:
@@ -112,13 +148,14 @@ class CSVLogger(Logger):
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         assert self.path is not None, "setup() runs first"  # the Trainer's call order
-        with atomic_open(self.path.parent / "hparams.json", mode=0o644) as handle:
-            handle.write(json.dumps(dict(params), indent=2, sort_keys=True, default=str).encode())
+        text = json.dumps(plain_params(params), indent=2, sort_keys=True)
+        with atomic_open(self.path.parent / "hparams.json", mode=FILE_MODE) as handle:
+            handle.write(text.encode())
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         assert self.path is not None, "setup() runs first"
         row: dict[str, Any] = {"step": step}
-        row.update({name: _format(value) for name, value in metrics.items()})
+        row.update({name: _format(value) for name, value in metric_names(metrics).items()})
         self._rows.append(row)
         new = [name for name in row if name not in self._columns]
         if new:
@@ -130,7 +167,7 @@ class CSVLogger(Logger):
 
     def _rewrite(self) -> None:
         assert self.path is not None
-        with atomic_open(self.path, mode=0o644) as raw:
+        with atomic_open(self.path, mode=FILE_MODE) as raw:
             text = io.StringIO()
             writer = csv.DictWriter(text, fieldnames=self._columns)
             writer.writeheader()
@@ -149,7 +186,9 @@ class TensorBoardLogger(Logger):
     """Metrics as TensorBoard scalars; needs ``tensorboard`` (``pip install 'distkit[tensorboard]'``).
 
     Local (main process only). A resumed ``fit`` purges the events after the resumed step (those
-    at that step stay, as they were written before its checkpoint).
+    at that step stay, as they were written before its checkpoint). Each logging step is flushed to
+    the event file before ``log_metrics`` returns, so a killed process loses none of the steps up to
+    its last checkpoint.
 
     Args:
         save_dir: Directory of the event files; ``None`` means ``<default_root_dir>/tensorboard``.
@@ -172,17 +211,21 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
             ) from err
         directory = self.save_dir or save_dir / "tensorboard"
+        make_private_dir(directory)
         # SummaryWriter purges the events at steps >= purge_step; those at the resumed step itself
         # were written before its checkpoint and are kept, as CSVLogger keeps its rows.
         purge_step = None if resume_step is None else resume_step + 1
         self._writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self._writer.add_text("hparams", json.dumps(dict(params), indent=2, sort_keys=True, default=str))
+        self._writer.add_text("hparams", json.dumps(plain_params(params), indent=2, sort_keys=True))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        for name, value in metrics.items():
+        for name, value in metric_names(metrics).items():
             self._writer.add_scalar(name, value, global_step=step)
+        # SummaryWriter queues events for up to 2 minutes; a step counts as logged once it is in
+        # the file (a SIGKILL loses the queue, and a resume starts after the checkpoint's step).
+        self._writer.flush()
 
     def finalize(self) -> None:
         if self._writer is not None:
