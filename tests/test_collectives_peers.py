@@ -9,6 +9,7 @@ ranks (the pooled ``ranks`` fixture): no launcher, no mocks of torch.distributed
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,11 +216,21 @@ def barrier_on_a_group(tmp: str) -> tuple[bool, Any]:
         distkit.barrier(timeout_s=60, group=group)  # rank 0 is outside the group: returns at once
         seen = arrived.exists()
         if rank == 1:
-            try:
-                distkit.barrier(timeout_s=1.0, group=group)  # rank 2 never comes to this one
-            except distkit.CollectiveTimeoutError as err:
-                return seen, (str(err), err.missing_ranks)
-            return seen, "no error"
+            # Rank 2 never comes to this one. In a thread, so that a barrier without a deadline is
+            # named by the test at once, not found by the pool's deadline a minute later.
+            outcome: list[Any] = []
+
+            def wait() -> None:
+                try:
+                    distkit.barrier(timeout_s=1.0, group=group)
+                    outcome.append("no error")
+                except distkit.CollectiveTimeoutError as err:
+                    outcome.append((str(err), err.missing_ranks))
+
+            waiter = threading.Thread(target=wait, daemon=True)
+            waiter.start()
+            waiter.join(20.0)
+            return seen, outcome[0] if outcome else "no return within 20 s"
         return seen, None
     finally:
         dist.destroy_process_group(group)
@@ -227,11 +238,14 @@ def barrier_on_a_group(tmp: str) -> tuple[bool, Any]:
 
 def test_barrier_on_a_group_waits_for_its_members_and_names_the_one_that_is_late(ranks, tmp_path) -> None:
     """Ports ignite ``_test_distrib_barrier`` to a group; the deadline naming the late member is distkit's."""
-    outside, (seen_1, (message, missing)), (seen_2, _) = ranks.run(
+    outside, (seen_1, late), (seen_2, _) = ranks.run(
         barrier_on_a_group, str(tmp_path), world_size=3, timeout_s=60
     )
     assert outside == (False, None)  # through before rank 2 arrived: it did not wait
     assert seen_1 and seen_2  # the members were through only after rank 2 arrived
+    assert late != "no return within 20 s", "barrier(timeout_s=1.0, group=...) has no deadline"
+    assert late != "no error", "barrier(timeout_s=1.0, group=...) passed although rank 2 never came"
+    message, missing = late
     assert missing == [2]
     assert message.startswith(
         "[rank 1/3] barrier on the group of ranks [1, 2] timed out after 1 s: rank(s) [2]"
