@@ -251,10 +251,12 @@ def test_under_self_launch_the_launching_process_raises_the_workers_exception_on
     job = one_process(tmp_path, "raise_in_step", "self_launch")
     assert job.codes == [1], job.text()
     output = job.outputs[0]
-    # Raised once, as itself (its line ends the output), with the worker's traceback as its note.
-    assert output.rstrip().endswith("ValueError: bad batch 2 on the last rank"), output
+    # Raised once, as itself, with the worker's traceback as its note (and, when the launcher saw
+    # it end, rank 0 listed as a rank that only waited).
     raised = [line for line in output.splitlines() if line.startswith("ValueError: bad batch 2")]
     assert len(raised) == 2, output
+    if "other failing ranks:" in output:
+        assert output.rstrip().endswith(f"rank 0/2: exit code {PEER_FAILED_EXIT_CODE}"), output
     assert "raised in fit()'s worker process rank 1/2" in output, output
     assert "ChildFailedError" not in output, output
     # torch's agent installs its own SIGTERM/SIGINT handlers in this process; fit() puts ours back.

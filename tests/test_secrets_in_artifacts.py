@@ -136,7 +136,13 @@ def test_no_planted_credential_reaches_a_file_a_tracker_record_or_the_output(
     shown = output.out + output.err + caplog.text
     assert "resumed at step 6" in shown
     assert "trainer.max_steps: 6 -> 8" in shown
-    assert "data.source" not in shown and "dirpath" not in shown, shown  # no spurious change
+    # No spurious change: the resume warning lists max_steps only (wandb's own INFO logs, when the
+    # session's logging lets them through, print the whole config and so name every key).
+    changes = [
+        record.getMessage() for record in caplog.records if "differs from the one" in record.getMessage()
+    ]
+    assert changes, shown
+    assert all("data.source" not in text and "dirpath" not in text for text in changes), changes
     # A real change of a value holding a credential is still one, shown redacted.
     mirror = f"https://{KEY}:{PASSWORD}@mirror.example/digits.bin?token={TOKEN}"
     run_script(monkeypatch, config_path, "--trainer.max_steps", "10", "--data.source", mirror)
