@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -414,20 +415,33 @@ def test_run_benchmark_rejects_bad_settings_before_starting_processes() -> None:
 
 
 def test_min_time_adds_steps_to_fast_operations() -> None:
-    count = _timing.agreed_count(lambda: time.sleep(0.01), 1, 0.1, torch.device("cpu"))
-    # 0.1 s / 0.01 s: at most 10 (sleeps only ever run long), and more than the minimum of 1 unless
-    # a 10 ms sleep took over 100 ms in two of three calibration runs.
-    assert 2 <= count <= 10
+    durations: list[float] = []
+
+    def timed_sleep() -> None:
+        start = time.perf_counter()
+        time.sleep(0.01)
+        durations.append(time.perf_counter() - start)
+
+    # Only the calibration runs run here (the count is returned, not run), so a long min_time_s
+    # costs nothing: 10 s, so that the count stays far above the minimum of 1 however long a
+    # 10 ms sleep takes on a busy machine (it would have to take 5 s in two of three runs).
+    count = _timing.agreed_count(timed_sleep, 1, 10.0, torch.device("cpu"))
+    assert len(durations) == _timing._CALIBRATION_RUNS
+    # agreed_count times each run from outside (our durations and a call), so its median is at
+    # least ours: the count is at most 10 s over our median, whatever the load made of the sleeps.
+    assert 2 <= count <= math.ceil(10.0 / statistics.median(durations))
     assert _timing.agreed_count(lambda: time.sleep(0.01), 50, 0.1, torch.device("cpu")) == 50
     assert _timing.agreed_count(lambda: None, 7, 0.0, torch.device("cpu")) == 7
 
 
 def counts_per_rank() -> int:
     # Rank 1 is far slower, yet both must run the same number of (collective) steps. Alone, rank 1
-    # would choose 1 (its 0.3 s sleep already fills 0.06 s) and rank 0 at least 2 (a 1 ms sleep
-    # would have to last 30 ms to fill half of 0.06 s): the gap holds on a busy machine too.
+    # would choose 1 (its 0.3 s sleep already fills 0.25 s; sleeps never run short) and rank 0 at
+    # least 2: its 1 ms sleep would have to last 125 ms, in two of three calibration runs, to fill
+    # half of 0.25 s. A loaded machine delays a sleep's wake-up by milliseconds, not by that much
+    # (with 0.06 s, 30 ms of delay sufficed to make both ranks choose 1 and the test pass blind).
     pause = (0.001, 0.3)[distkit.get_rank()]
-    return _timing.agreed_count(lambda: time.sleep(pause), 1, 0.06, torch.device("cpu"))
+    return _timing.agreed_count(lambda: time.sleep(pause), 1, 0.25, torch.device("cpu"))
 
 
 def test_every_rank_runs_the_count_rank_zero_chose(ranks) -> None:
@@ -435,23 +449,31 @@ def test_every_rank_runs_the_count_rank_zero_chose(ranks) -> None:
     assert first == second >= 2
 
 
+# How long rank 0 would wait for rank 1 in fail_on_rank_one's barrier.
+BARRIER_TIMEOUT_S = 30
+
+
 def fail_on_rank_one() -> int:
     if distkit.get_rank() == 1:
-        raise RuntimeError("boom on purpose")
-    distkit.barrier(timeout_s=30)  # the peer never arrives: must not hang the parent
+        raise RuntimeError(f"boom on purpose at {time.time()!r}")  # when, for the parent's check
+    distkit.barrier(timeout_s=BARRIER_TIMEOUT_S)  # the peer never arrives: must not hang the parent
     return 0
 
 
 def test_a_failing_rank_is_reported_with_its_traceback_and_nothing_hangs() -> None:
-    started = time.monotonic()
     with pytest.raises(distkit.DistkitError) as info:
-        _spawn.run_group(fail_on_rank_one, (), world_size=2, timeout_s=60)
+        _spawn.run_group(fail_on_rank_one, (), world_size=2, timeout_s=120)
+    reported = time.time()
     message = str(info.value)
     assert message.startswith(
-        "[rank 1/2] failed in a benchmark group of 2 processes: RuntimeError: boom on purpose"
+        "[rank 1/2] failed in a benchmark group of 2 processes: RuntimeError: boom on purpose at "
     )
     assert "in fail_on_rank_one" in message  # the rank's traceback
-    assert time.monotonic() - started < 30
+    # Nothing waited for rank 0's barrier to time out: the failure reached the parent sooner after
+    # rank 1 raised. Timed from the raise, not from the start, because starting two interpreters
+    # that import torch takes 3 s on an idle machine and as long as the load makes it on a busy one.
+    raised = float(message.split("boom on purpose at ", 1)[1].split()[0])
+    assert reported - raised < BARRIER_TIMEOUT_S
 
 
 def sleep_long() -> None:
@@ -459,11 +481,19 @@ def sleep_long() -> None:
 
 
 def test_a_group_that_does_not_finish_times_out_naming_the_ranks() -> None:
-    started = time.monotonic()
-    with pytest.raises(distkit.CollectiveTimeoutError) as info:
-        _spawn.run_group(sleep_long, (), world_size=1, timeout_s=6)
+    # The group starts with a long deadline: with run_group(timeout_s=6) a busy machine can take
+    # over 6 s to start the interpreter and import torch, and the same error then comes from the
+    # start-up, never from the task this test is about.
+    with _spawn.RankGroup(1, timeout_s=120) as group:
+        group.wait_ready()
+        started = time.monotonic()
+        with pytest.raises(distkit.CollectiveTimeoutError) as info:
+            group.run(sleep_long, (), timeout_s=6)
+        elapsed = time.monotonic() - started
     assert info.value.missing_ranks == [0] and "did not finish within 6 s" in str(info.value)
-    assert time.monotonic() - started < 20
+    # Ended by the task's deadline (not before it), and not by the rank's 120 s sleep: the only
+    # time after the deadline is killing one process.
+    assert 6 <= elapsed < 60, elapsed
 
 
 def test_the_oversubscription_rule_counts_threads_on_cpu_and_devices_on_gpus() -> None:
@@ -680,21 +710,42 @@ def test_plots_are_valid_pngs_with_error_bars_and_the_csv_has_every_column(tmp_p
     assert lines[-1].split(",")[BenchRow.columns().index("oversubscribed")] == "True"
 
 
-BUSY_LOOP = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end:\n    pass\n"
+# A child that uses 0.6 s of CPU (its own CPU time, however long the machine's load makes that
+# take), says so, then stays alive and idle until its stdin closes: a meter reads the CPU time of
+# live processes only.
+BURN_THEN_IDLE = (
+    "import sys, time\n"
+    "end = time.process_time() + 0.6\n"
+    "while time.process_time() < end:\n"
+    "    pass\n"
+    "print('burnt', flush=True)\n"
+    "sys.stdin.read()\n"
+)
 
 
 def test_the_load_meter_counts_our_own_processes_out_of_the_foreign_load() -> None:
-    child = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
-    try:
-        theirs = _load.LoadMeter(lambda: [])
-        ours = _load.LoadMeter(lambda: [child.pid])
-        theirs.start()
-        ours.start()
-        time.sleep(1.0)
-        as_foreign, as_own = theirs.stop(), ours.stop()
-    finally:
-        child.wait(10)
+    own: list[int] = []
+    theirs, ours = _load.LoadMeter(lambda: []), _load.LoadMeter(lambda: own)
     if not theirs.available:
         pytest.skip("no /proc: the load is not measured on this platform")
-    # The busy child takes most of a core: foreign to one meter, ours to the other.
-    assert as_foreign - as_own >= 0.3 / (os.cpu_count() or 1)
+    started = time.monotonic()
+    theirs.start()
+    ours.start()
+    child = subprocess.Popen(
+        [sys.executable, "-c", BURN_THEN_IDLE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        own.append(child.pid)  # started inside the window: a meter counts it from zero
+        assert child.stdout is not None and child.stdout.readline() == "burnt\n"
+        as_foreign, as_own = theirs.stop(), ours.stop()
+        window_s = time.monotonic() - started
+        child_s = _load._process_cpu_s(child.pid)
+    finally:
+        child.communicate(timeout=60)
+    assert child_s is not None and child_s >= 0.6
+    # The child's CPU seconds are foreign to one meter and ours to the other: the two shares differ
+    # by exactly them, over the window and the CPUs. Compared in CPU seconds, not as a share, since
+    # the share the child gets depends on how many other processes run beside it. The slack: both
+    # counters tick every 10 ms, per CPU for the machine's.
+    difference_s = (as_foreign - as_own) * window_s * (os.cpu_count() or 1)
+    assert difference_s == pytest.approx(child_s, abs=0.1), (difference_s, child_s, as_foreign, as_own)

@@ -189,10 +189,10 @@ def is_transport_failure(exc: BaseException) -> bool:
 
 def _waited(exc: BaseException) -> bool:
     """Whether ``exc`` only says that this rank waited for another: a collective that failed
-    because a peer ended (or timed out), or distkit's error explaining one."""
-    return is_transport_failure(exc) or (
-        isinstance(exc, DistkitError) and exc.__cause__ is not None and is_transport_failure(exc.__cause__)
-    )
+    because a peer ended (or timed out), the job's store gone with the rank that hosted it, or
+    distkit's error explaining one of those."""
+    cause = exc.__cause__ if isinstance(exc, DistkitError) else exc
+    return cause is not None and (is_transport_failure(cause) or isinstance(cause, dist.DistNetworkError))
 
 
 def _first_line(exc: BaseException) -> str:
