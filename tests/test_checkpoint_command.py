@@ -22,28 +22,8 @@ import pytest
 import torch
 
 import distkit
+from _launch import launcher_free_env
 from distkit.cli import main
-
-# What a launcher (torchrun) sets: a process started here must form its own world, not join the
-# session's job.
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def launcher_free_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")
-    }
 
 
 def distkit_command(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,6 @@ error instead of killing the process).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import distkit
+from _launch import launcher_free_env
 
 # Step 1 (64 KiB) commits; step 2 (8 MiB) is saved in the background under a 1 MiB file-size limit
 # and fails. How the script then ends is its first argument.
@@ -58,27 +58,6 @@ _SCRIPT = textwrap.dedent(
     print("SCRIPT ENDED", flush=True)
     """
 )
-
-# What a launcher (torchrun) sets: a process started here must form its own world, not join the
-# session's job.
-_LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def launcher_free_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")
-    }
 
 
 def run_script(tmp_path: Path, ending: str) -> subprocess.CompletedProcess[str]:

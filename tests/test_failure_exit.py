@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -30,21 +31,10 @@ from distkit import HANG_EXIT_CODE, PEER_FAILED_EXIT_CODE
 from distkit.testing import RankFailedError, RankPools
 
 SCRIPT = Path(__file__).parent / "failure_scripts" / "scenarios.py"
+OPS = runpy.run_path(str(SCRIPT), run_name="scenarios")["OPS"]  # every collective of distkit's API
 # A job whose processes outlive their failure waits for the process group's timeout: 600 s by
 # default. A healthy failure ends in a few seconds; this leaves room for a machine under load.
 DEADLINE_S = 120.0
-OPS = (
-    "barrier",
-    "reduce_metrics",
-    "all_reduce",
-    "all_gather",
-    "all_gather_object",
-    "broadcast_object",
-    "scatter_object",
-    "any_rank",
-    "all_ranks",
-    "save",
-)
 
 
 @dataclass
