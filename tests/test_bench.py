@@ -742,7 +742,8 @@ def test_the_load_meter_counts_our_own_processes_out_of_the_foreign_load() -> No
         child_s = _load._process_cpu_s(child.pid)
     finally:
         child.communicate(timeout=60)
-    assert child_s is not None and child_s >= 0.6
+    # It burnt its 0.6 s (process_time and /proc's ticks round differently: 0.59 was read once).
+    assert child_s is not None and child_s >= 0.5
     # The child's CPU seconds are foreign to one meter and ours to the other: the two shares differ
     # by exactly them, over the window and the CPUs. Compared in CPU seconds, not as a share, since
     # the share the child gets depends on how many other processes run beside it. The slack: both
