@@ -284,9 +284,13 @@ def test_death_of_the_main_process_hosting_the_store_is_reported_at_once() -> No
     by_rank = {f.rank: f for f in info.value.failures}
     assert by_rank[0].exitcode == -signal.SIGKILL
     assert by_rank[1].kind == "exception", by_rank[1]
-    assert "[rank 1/2] lost the connection to the job's key-value store while waiting for the main " in (
-        by_rank[1].summary
-    )
+    # Rank 0 dies inside the section, or (on a loaded machine) before rank 1 has finished init():
+    # either way rank 1 says that the store's host is gone, within seconds.
+    summary = by_rank[1].summary
+    assert (
+        "[rank 1/2] lost the connection to the job's key-value store while waiting for the main " in summary
+        or "[rank 1/2] the job's key-value store stopped answering while this rank joined" in summary
+    ), summary
 
 
 # -- without a process group, without a store, bad arguments --------------------------------------

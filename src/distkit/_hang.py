@@ -187,6 +187,33 @@ def is_transport_failure(exc: BaseException) -> bool:
     return any(marker in text for marker in _TRANSPORT_MARKERS)
 
 
+# How long a second connection to the job's store may take. One to a live store opens within
+# milliseconds; torch retries one to a store whose host has died for the store's whole timeout
+# (ten minutes by default: measured, torch 2.13), which would hold init() or a failure's report.
+_CLONE_S = 10.0
+
+
+def _clone(store: Any) -> Any:
+    """``store.clone()``, or :class:`TimeoutError` after ``_CLONE_S`` (the attempt goes on, unused,
+    in a daemon thread: torch's client cannot be interrupted)."""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = store.clone()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=connect, name="distkit-store-clone", daemon=True)
+    thread.start()
+    thread.join(_CLONE_S)
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise TimeoutError(f"no second connection to the job's store within {_CLONE_S:g} s")
+    return box["store"]
+
+
 def _waited(exc: BaseException) -> bool:
     """Whether ``exc`` only says that this rank waited for another: a collective that failed
     because a peer ended (or timed out), the job's store gone with the rank that hosted it, or
@@ -440,9 +467,15 @@ class Doctor:
         """Register this process and start the responder. Local (a few store operations)."""
         self.store.set(_key("proc", self.rank), json.dumps({"host": self.host, "pid": self.pid}))
         try:
-            self._responder_store = self.store.clone()
+            self._responder_store = _clone(self.store)
         except (AttributeError, RuntimeError, NotImplementedError):
             return  # a store without a second connection: distkit's waits stay plain waits
+        except TimeoutError as err:
+            raise DistkitError(
+                f"{self.label} the job's key-value store stopped answering while this rank joined "
+                f"(a second connection to it got no answer within {_CLONE_S:g} s): the process that "
+                f"hosts it (rank 0, or the launcher) most likely ended. Look for its error above."
+            ) from err
         self._first_ask = int(self.store.add(_key("asks"), 0)) + 1
         self._responder = threading.Thread(target=self._respond, name="distkit-hang-responder", daemon=True)
         self._responder.start()
@@ -540,7 +573,7 @@ class Doctor:
         """A connection for the background threads' short operations (made once)."""
         with self._side_lock:
             if self._side is None:
-                self._side = self.store.clone()
+                self._side = _clone(self.store)
             return self._side
 
     # -- where this rank is -----------------------------------------------------------------------
@@ -1106,7 +1139,11 @@ class Doctor:
                 f"distkit: {op} waits for {_hang_report.ranks_text(ranks)}, which can never arrive "
                 f"(seen after {waited_s:.1f} s). Where each rank is:"
             )
-            self.roll_call(self._side_store(), header=header, local=local)
+            try:
+                side = self._side_store()
+            except Exception:  # no second connection (the store's host ended): the one in hand
+                side = store
+            self.roll_call(side, header=header, local=local)
         here = _hang_report.location_text(local)
         context = local.get("context") or ""
         move = f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""
