@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +24,11 @@ import distkit
 from distkit.collectives import scatter_object
 from distkit.runtime import local_main_process_only
 
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
 
 @pytest.fixture
-def no_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """This test process without a launcher and without distkit.init(): a world of one."""
-    for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    distkit.shutdown()
-    yield monkeypatch
-    distkit.shutdown()
+def no_group(world_of_one: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This test process as a world of one (conftest's ``world_of_one``)."""
+    return world_of_one
 
 
 def _subgroup(members: list[int]) -> Any:

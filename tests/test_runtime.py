@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -17,32 +16,15 @@ import pytest
 import torch
 
 import distkit
+from _launch import launcher_free_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "report_queries.py"
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-)
 
 
 @pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch):
-    for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
-    distkit.shutdown()
-    yield monkeypatch
-    distkit.shutdown()
+def clean_env(world_of_one: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """This test process as a world of one (conftest's ``world_of_one``)."""
+    return world_of_one
 
 
 def test_world_of_one_queries_before_and_after_init(clean_env: pytest.MonkeyPatch) -> None:
@@ -310,7 +292,7 @@ def _free_port() -> int:
 
 
 def _launcher_free_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return launcher_free_env()
 
 
 def _read_views(out: Path, n: int) -> list[dict]:
