@@ -46,6 +46,20 @@ class MLP(nn.Module):
         return self.blocks(x)
 
 
+class BatchNormMLP(MLP):
+    """The MLP with a BatchNorm1d in each block: running statistics (buffers) that each rank's
+    forward passes update from its own batches, and a layer that bf16 kernels refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.insert(1, nn.BatchNorm1d(block[0].out_features))
+
+
+def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
 class TinyTransformer(nn.Module):
     """A two-layer transformer classifier over sequences of 8 tokens (no dropout: deterministic)."""
 
@@ -119,7 +133,7 @@ def fit(
     """Train on every rank of the pool; this rank's step losses and the trained model."""
     tokens = model_name == "transformer"
     torch.manual_seed(0)
-    model: nn.Module = TinyTransformer() if tokens else MLP()
+    model: nn.Module = {"transformer": TinyTransformer, "mlp": MLP, "bn": BatchNormMLP}[model_name]()
     record = RecordLosses()
     callbacks = [record, *kwargs.pop("callbacks", [])]  # type: ignore[misc]
     trainer = quiet_trainer(
@@ -523,6 +537,52 @@ def test_fsdp_options_are_checked_with_the_value_and_the_fix() -> None:
 def test_shard_model_without_a_process_group_says_to_initialize_one() -> None:
     with pytest.raises(DistkitError, match=r"distkit.init\(\)"):
         distkit.shard_model(MLP())
+    with pytest.raises(DistkitError, match=r"distkit.init\(\)"):
+        distkit.sync_buffers(MLP())
+
+
+class NormsWithoutAffine(nn.Module):
+    """A BatchNorm without parameters (affine=False) and a non-persistent buffer beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(20, 32), nn.BatchNorm1d(32, affine=False), nn.ReLU(), nn.Linear(32, 10)
+        )
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scratch.fill_(float(distkit.get_rank()))  # rank-local by design: not state
+        return self.net(x)
+
+
+def hand_loop_sync_buffers(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    rank = distkit.get_rank()
+    torch.manual_seed(0)
+    model = distkit.shard_model(NormsWithoutAffine(), mixed_precision="bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = Vectors(1024)
+    losses = []
+    for step in range(steps):
+        x, y = data.data[(step * 2 + rank) * 8 :][:8], data.targets[(step * 2 + rank) * 8 :][:8]
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        distkit.sync_buffers(model)
+        losses.append(loss.item())
+    return losses, buffers(model)
+
+
+def test_sync_buffers_in_a_hand_written_bf16_loop_gives_every_rank_rank_0s_statistics(ranks) -> None:
+    (losses0, buffers0), (losses1, buffers1) = ranks.run(hand_loop_sync_buffers, 4)
+    assert all(math.isfinite(v) for v in losses0 + losses1) and losses0 != losses1
+    assert buffers0["net.1.running_mean"].dtype == torch.float32  # a BatchNorm without parameters ran
+    for name in ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked"):
+        assert torch.equal(buffers0[name], buffers1[name]), name
+    assert int(buffers0["net.1.num_batches_tracked"]) == 4
+    # Non-persistent buffers are not state: each rank keeps its own.
+    assert buffers0["scratch"].tolist() == [0.0] * 3 and buffers1["scratch"].tolist() == [1.0] * 3
 
 
 def optimizer_made_before_fit(tmp: str) -> tuple[bool, float]:
@@ -693,10 +753,10 @@ def test_compile_for_ddp_and_fsdp_keeps_the_losses_and_the_parameter_names(ranks
 
 
 def fsdp_resumable(
-    tmp: str, max_steps: int, resume: str | None
-) -> tuple[list[float], torch.Tensor, list[str]]:
+    tmp: str, max_steps: int, resume: str | None, model_name: str = "mlp"
+) -> tuple[list[float], torch.Tensor, list[str], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = MLP()
+    model = BatchNormMLP() if model_name == "bn" else MLP()
     record = RecordLosses()
     trainer = quiet_trainer(
         tmp,
@@ -715,21 +775,102 @@ def fsdp_resumable(
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
     )
     files = sorted(os.listdir(os.path.join(tmp, "checkpoints", "step_000000003")))
-    return record.losses, full_weights(model), files
+    return record.losses, full_weights(model), files, buffers(model)
 
 
 def test_fsdp_checkpoints_are_sharded_and_a_resumed_run_is_bitwise_the_uninterrupted_one(
     ranks, tmp_path
 ) -> None:
-    uninterrupted = ranks.run(fsdp_resumable, str(tmp_path / "a"), 8, None)
-    ranks.run(fsdp_resumable, str(tmp_path / "b"), 4, None)  # "killed" after step 4: last checkpoint 3
-    resumed = ranks.run(fsdp_resumable, str(tmp_path / "b"), 8, "auto")
-    for (losses, weights, files), (resumed_losses, resumed_weights, _) in zip(
-        uninterrupted, resumed, strict=True
-    ):
+    # BatchNorm in train mode: FSDP leaves buffers rank-local and a checkpoint holds one copy, so
+    # a resumed rank 1 would start from rank 0's running statistics unless the Trainer keeps the
+    # ranks' buffers equal at every step boundary.
+    uninterrupted = ranks.run(fsdp_resumable, str(tmp_path / "a"), 8, None, "bn")
+    ranks.run(fsdp_resumable, str(tmp_path / "b"), 4, None, "bn")  # "killed" after step 4: last checkpoint 3
+    resumed = ranks.run(fsdp_resumable, str(tmp_path / "b"), 8, "auto", "bn")
+    for rank, (
+        (losses, weights, files, bufs),
+        (resumed_losses, resumed_weights, _, resumed_bufs),
+    ) in enumerate(zip(uninterrupted, resumed, strict=True)):
         assert any(name.endswith(".distcp") for name in files)  # every rank wrote its shards
         assert resumed_losses == losses[3:]  # steps 4..8, bitwise
         assert torch.equal(resumed_weights, weights)
+        assert sorted(bufs) == sorted(resumed_bufs) and len(bufs) == 9  # 3 BatchNorms x 3 buffers
+        for name, value in bufs.items():
+            assert torch.equal(resumed_bufs[name], value), (
+                f"rank {rank}: buffer {name} of the resumed run differs from the uninterrupted run's"
+            )
+
+
+def batchnorm_buffers(tmp: str, strategy: object, steps: int, **kwargs: object) -> dict[str, torch.Tensor]:
+    _, model = fit(tmp, strategy, "bn", steps=steps, **kwargs)
+    return buffers(model)
+
+
+def test_fsdp_keeps_every_ranks_buffers_equal_to_rank_0s_as_ddp_broadcasts_them(ranks, tmp_path) -> None:
+    # DDP broadcasts rank 0's buffers before each forward; FSDP2 leaves them rank-local, so each
+    # rank's running statistics would follow its own batches (and evaluation would differ by rank).
+    ddp = ranks.run(batchnorm_buffers, str(tmp_path / "ddp"), "ddp", 6, accumulate_grad_batches=2)
+    sharded = ranks.run(batchnorm_buffers, str(tmp_path / "fsdp"), MLP_UNITS, 6, accumulate_grad_batches=2)
+    local = FSDPStrategy(min_unit_params=4000, broadcast_buffers=False)
+    left_alone = ranks.run(batchnorm_buffers, str(tmp_path / "local"), local, 6, accumulate_grad_batches=2)
+    # broadcast_buffers=False is FSDP2's own behaviour: each rank's statistics follow its batches.
+    assert not torch.equal(left_alone[0]["blocks.0.1.running_mean"], left_alone[1]["blocks.0.1.running_mean"])
+    for name, value in sharded[0].items():
+        assert torch.equal(sharded[1][name], value), (
+            f"buffer {name} differs between rank 0 and rank 1 after an FSDP fit: the ranks' buffers "
+            f"are not kept in sync"
+        )
+        # Rank 0's statistics follow rank 0's batches alone, as under DDP (up to float rounding:
+        # the parameters before each BatchNorm are equal within 1e-5, not bitwise).
+        torch.testing.assert_close(value.double(), ddp[0][name].double(), rtol=1e-4, atol=1e-6)
+    assert not torch.equal(sharded[0]["blocks.0.1.running_mean"], BatchNormMLP().blocks[0][1].running_mean)
+
+
+class InspectBatchNorm(Callback):
+    def on_fit_start(self, trainer: Trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = trainer.model
+        assert model is not None
+        self.policies = {
+            name: m._get_fsdp_state()._mp_policy
+            for name, m in model.named_modules()
+            if isinstance(m, FSDPModule)
+        }
+        self.norm_dtypes: set[torch.dtype] = set()
+        self.after_norm: set[torch.dtype] = set()
+        # Forward hooks see the input after FSDP's cast and the output after its cast back.
+        model.blocks[0][1].register_forward_hook(lambda m, i, o: self.norm_dtypes.add(i[0].dtype))
+        model.blocks[0][2].register_forward_hook(lambda m, i, o: self.after_norm.add(i[0].dtype))
+        self.losses: list[float] = []
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self.losses.append(loss.item())
+
+
+def bf16_batchnorm(tmp: str) -> dict[str, object]:
+    inspect = InspectBatchNorm()
+    _, model = fit(tmp, MLP_UNITS, "bn", steps=20, precision="bf16-mixed", callbacks=[inspect])
+    seen = {k: v for k, v in vars(inspect).items()}
+    seen["buffer_dtypes"] = {b.dtype for b in model.buffers()}
+    return seen
+
+
+def test_bf16_mixed_fsdp_keeps_batchnorm_in_float32_and_trains(ranks, tmp_path) -> None:
+    # CPU kernels refuse a bfloat16 input with float32 running statistics; each BatchNorm becomes a
+    # unit of its own that computes in float32 and hands bfloat16 on to the next layer.
+    float32 = ranks.run(train, str(tmp_path / "fp32"), MLP_UNITS, "bn", steps=20)
+    for seen, (losses, _) in zip(ranks.run(bf16_batchnorm, str(tmp_path / "bf16")), float32, strict=True):
+        norms = {name for name in seen["policies"] if name.count(".") == 2}  # blocks.N.1
+        assert norms == {"blocks.0.1", "blocks.1.1", "blocks.2.1"}
+        for name, policy in seen["policies"].items():
+            expected = (torch.float32, torch.float32) if name in norms else (torch.bfloat16, torch.float32)
+            assert (policy.param_dtype, policy.reduce_dtype) == expected, name
+        assert seen["norm_dtypes"] == {torch.float32}  # input cast up: computed in float32
+        assert seen["after_norm"] == {torch.bfloat16}  # handed on in the next layer's dtype
+        assert seen["buffer_dtypes"] == {torch.float32, torch.int64}
+        # The float32 run's losses within bfloat16's rounding at every step: it trains alike.
+        assert_close_losses(losses, seen["losses"], rtol=2e-2)
 
 
 class TermOnRankOne(Callback):
@@ -778,7 +919,7 @@ def test_sigterm_on_one_rank_under_fsdp_saves_a_sharded_checkpoint_and_resumes_b
         assert (code, step, steps) == (0, 3, ["step_000000003"])
     uninterrupted = ranks.run(fsdp_resumable, str(tmp_path / "a"), 8, None)
     resumed = ranks.run(fsdp_resumable, str(tmp_path / "b"), 8, "auto")
-    for (losses, weights, _), (resumed_losses, resumed_weights, _) in zip(
+    for (losses, weights, _, _), (resumed_losses, resumed_weights, _, _) in zip(
         uninterrupted, resumed, strict=True
     ):
         assert resumed_losses == losses[3:]

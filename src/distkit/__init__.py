@@ -100,7 +100,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         seed_everything as seed_everything,
         seed_worker as seed_worker,
     )
-    from distkit.sharding import shard_model as shard_model
+    from distkit.sharding import shard_model as shard_model, sync_buffers as sync_buffers
     from distkit.storage import (
         ChecksumMismatchError as ChecksumMismatchError,
         LockTimeoutError as LockTimeoutError,
@@ -213,6 +213,7 @@ _LAZY: dict[str, str] = {
     "DDPStrategy": "distkit.trainer",
     "FSDPStrategy": "distkit.trainer",
     "shard_model": "distkit.sharding",
+    "sync_buffers": "distkit.sharding",
     "ModelCheckpoint": "distkit.trainer",
     "ProgressLog": "distkit.trainer",
     "EarlyStopping": "distkit.trainer",

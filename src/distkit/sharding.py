@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard_model"]
+__all__ = ["shard_model", "sync_buffers"]
 
 # The parameter-count rule's default: a unit as large as a small transformer block (about 1 M
 # parameters, 4 MB in fp32). Smaller units mean more, shorter all-gathers, each with a fixed cost.
@@ -44,6 +44,18 @@ def _fsdp() -> Any:
     import torch.distributed.fsdp as fsdp
 
     return fsdp
+
+
+# Layers whose buffers are float32 statistics updated in forward: under bf16 mixed precision each is a
+# unit that computes in float32 (as FSDP1's MixedPrecision kept _BatchNorm out of its casts).
+_FLOAT32_NORMS = (nn.modules.batchnorm._BatchNorm,)
+
+
+def _norm_policy() -> Any:
+    # The input cast up to float32, the output down to bfloat16 for the next layer of its unit.
+    return _fsdp().MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+    )
 
 
 def _own_params(module: nn.Module, taken: set[int]) -> int:
@@ -168,7 +180,9 @@ def shard_model(
             after forward (its backward comes first).
         mixed_precision: ``"bf16"``: units compute in bfloat16 (parameters cast after the
             all-gather) and reduce gradients in float32; the sharded parameters, the optimizer and
-            the model's outputs stay float32. ``None``: float32.
+            the model's outputs stay float32. Every BatchNorm layer becomes a unit of its own that
+            computes in float32 (its running statistics are float32 buffers, which bfloat16
+            kernels refuse) and hands bfloat16 on. ``None``: float32.
         cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
         activation_checkpointing: Recompute each unit's activations in backward instead of keeping
@@ -210,7 +224,10 @@ def shard_model(
         _prepare_units([model], activation_checkpointing=False, compile=True)
     kwargs: dict[str, Any] = {}
     root_kwargs: dict[str, Any] = {}
+    norms: list[nn.Module] = []
     if mixed_precision == "bf16":
+        norms = [m for m in _post_order(model) if m is not model and isinstance(m, _FLOAT32_NORMS)]
+        units = [unit for unit in units if not isinstance(unit, _FLOAT32_NORMS)]
         policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy)
         # The model's output in float32: the loss is computed in float32, as under autocast.
@@ -218,6 +235,11 @@ def shard_model(
         root_kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy, output_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # Children before their parents: a BatchNorm is a leaf, inside a unit or the root.
+    for norm in norms:
+        fsdp.fully_shard(
+            norm, reshard_after_forward=reshard_after_forward, **{**kwargs, "mp_policy": _norm_policy()}
+        )
     for unit in units:
         fsdp.fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters are gathered first in backward, so resharding it after forward would
@@ -230,3 +252,72 @@ def shard_model(
         if callable(getattr(model, method, None)):
             fsdp.register_fsdp_forward_method(model, method)
     return model
+
+
+def _buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(module, name)`` of every persistent buffer of ``model`` (what its ``state_dict`` holds).
+
+    Non-persistent buffers (caches, masks derived from the configuration) are left out: they are
+    not state, and broadcasting a large constant mask every step would cost bandwidth for nothing.
+    """
+    return [
+        (module, name)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
+def _broadcast_buffers(slots: list[tuple[nn.Module, str]], src: int = 0) -> None:
+    """Overwrite every rank's buffers of ``slots`` with rank ``src``'s. Collective (the default group).
+
+    One broadcast per device, of every buffer's bytes: widest element types first, so that each
+    buffer's offset in the flat byte tensor is a multiple of its element size.
+    """
+    tensors = sorted(
+        (module._buffers[name] for module, name in slots),
+        key=lambda t: -t.element_size(),  # type: ignore[union-attr]
+    )
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor.detach())  # type: ignore[union-attr]
+    receiving = dist.get_rank() != src
+    for parts in by_device.values():
+        flat = torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
+        dist.broadcast(flat, src=src)
+        if receiving:
+            offset = 0
+            for part in parts:
+                size = part.numel() * part.element_size()
+                part.copy_(flat[offset : offset + size].view(part.dtype).view(part.shape))
+                offset += size
+
+
+def sync_buffers(model: nn.Module, *, src: int = 0) -> None:
+    """Give every rank rank ``src``'s persistent buffers of ``model`` (BatchNorm's running statistics).
+
+    Collective: every rank, the same model. DDP broadcasts rank 0's buffers before each forward;
+    FSDP2 (:func:`shard_model`) leaves them rank-local, so each rank's running statistics follow
+    its own batches, evaluation differs by rank and a checkpoint keeps one rank's. Call it after
+    each optimizer step of a hand-written FSDP loop (the Trainer does, see ``docs/fsdp.md``).
+    Buffers registered with ``persistent=False`` are not state and are left alone. One broadcast
+    per device holding buffers; nothing when the model has none.
+
+    Args:
+        model: The module (sharded or not) whose buffers to make equal on every rank.
+        src: The global rank whose buffers every rank receives.
+
+    Example:
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> distkit.sync_buffers(model)  # doctest: +SKIP
+    """
+    from distkit.errors import DistkitError
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistkitError(
+            "sync_buffers() broadcasts over a process group, but none is initialized: call "
+            "distkit.init() first (one process has nothing to synchronize)."
+        )
+    slots = _buffer_slots(model)
+    if slots:
+        _broadcast_buffers(slots, src)

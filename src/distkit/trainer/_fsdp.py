@@ -13,6 +13,13 @@ holds a different shard, so a rank reads the first element of its own shard of t
 the ranks agree on the value with one scalar all-reduce per optimizer step (a genuine overflow in
 one rank's shard would otherwise send that rank alone down the rare path). An FSDP step already
 runs two or three collectives per sharding unit; this is one more, of 8 bytes.
+
+Buffers: FSDP2 neither shards nor synchronises them, so BatchNorm's running statistics would
+follow each rank's own batches, and a checkpoint (which holds one copy) would resume every rank
+from one rank's. With ``broadcast_buffers`` (the default) rank 0's persistent buffers reach every
+rank once per optimizer step, after its forward passes: one broadcast, none without buffers. Rank
+0's statistics then follow rank 0's batches alone, as under DDP, and every rank holds them at
+every step boundary (checkpoints, validation, the end of fit).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distkit import runtime
-from distkit.sharding import shard_model
+from distkit.sharding import _broadcast_buffers, _buffer_slots, shard_model
 from distkit.trainer._strategy import _NULL_CONTEXT, Strategy, _tree_to_cpu
 from distkit.trainer.strategies import _Plan
 
@@ -53,6 +60,7 @@ class FSDPStrategyRunner(Strategy):
         # The gradient-sync flag as last set: set_requires_gradient_sync walks every module, so it
         # is called only when the flag changes.
         self._sync = True
+        self._buffers: list[tuple[nn.Module, str]] = []
 
     def uses_autocast(self) -> bool:
         # FSDP's MixedPrecisionPolicy casts the gathered parameters to bfloat16 per unit (and
@@ -75,6 +83,7 @@ class FSDPStrategyRunner(Strategy):
         )
         self._model = model
         self._sync = True
+        self._buffers = _buffer_slots(model) if options.broadcast_buffers else []
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         # No wrapper: FSDP's hooks are on the model. Only a loss module beside it moves (the
@@ -101,6 +110,10 @@ class FSDPStrategyRunner(Strategy):
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    def sync_buffers(self) -> None:
+        if self._buffers:
+            _broadcast_buffers(self._buffers)
 
     def poisoned_backward(
         self, backward: Callable[[torch.Tensor], None], loss: torch.Tensor, params: Sequence[nn.Parameter]

@@ -239,9 +239,10 @@ def _model_guess(module: nn.Module, inputs: Any, err: Exception) -> str:
         return (
             "the message names a 16-bit dtype: the model computes in reduced precision "
             "(precision='bf16-mixed' or '16-mixed') and a layer met float32 values. Under FSDP, mixed "
-            "precision casts the parameters to bfloat16 but not the buffers (BatchNorm's running "
-            "statistics), and CPU kernels refuse the mix: on the CPU train with precision='32', or "
-            "use LayerNorm or GroupNorm instead of BatchNorm."
+            "precision casts the parameters to bfloat16 but not the buffers, and CPU kernels refuse "
+            "the mix: distkit keeps BatchNorm layers in float32 itself, so look for another layer "
+            "that computes with a float32 buffer or a float32 tensor made in forward (cast it to "
+            "the input's dtype), or train with precision='32'."
         )
     if _DTYPE.search(text):
         return (

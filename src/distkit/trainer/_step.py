@@ -166,6 +166,7 @@ def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: in
     precision, optimizer, strategy = trainer._precision, trainer.optimizer, trainer._strategy
     assert precision is not None and optimizer is not None and strategy is not None
     take_step, stop = True, False
+    strategy.sync_buffers()  # FSDP: rank 0's buffers, before checkpoints and validation read them
     # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
     grad = None if trainer._scan_all or trainer._sentinel is None else trainer._sentinel.grad
     if grad is None:

@@ -14,6 +14,7 @@ The interface, in the order ``fit`` uses it:
   ``no_sync`` or FSDP's gradient-sync flag on all but the last micro-batch).
 - :meth:`Strategy.poisoned_backward` and :meth:`Strategy.agreed`: how a rank's bad step reaches
   every rank, and how the ranks read it (the loop's module docs explain the protocol).
+- :meth:`Strategy.sync_buffers`: the ranks' buffers made equal once the step's forward passes ran.
 - :meth:`Strategy.clip_gradients`: clipping, and whether the norm was finite.
 - :meth:`Strategy.full_state`: the whole model's and optimizer's state on the main process.
 - :attr:`Strategy.checkpoint_format`: ``"full"`` (one file written by the main process) or
@@ -106,6 +107,10 @@ class Strategy:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def sync_buffers(self) -> None:
+        """Make every rank's buffers equal after the forward passes of an optimizer step (FSDP:
+        rank 0's; DDP broadcasts them before each forward itself). Collective where it acts."""
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a parameter or gradient (all of it unless the strategy shards)."""

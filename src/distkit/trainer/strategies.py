@@ -100,6 +100,11 @@ class FSDPStrategy:
             (least memory); ``False`` keeps them until backward (one all-gather fewer per unit).
         cpu_offload: Keep the sharded parameters, gradients and optimizer state in CPU memory.
         activation_checkpointing: Recompute each unit's activations in backward.
+        broadcast_buffers: After every optimizer step, give every rank rank 0's persistent buffers
+            (BatchNorm's running statistics), as DDP broadcasts them: one broadcast per step, and
+            none for a model without buffers. ``False`` leaves them rank-local (FSDP2's own
+            behaviour): each rank's statistics then follow its own batches, and a resumed run
+            starts every rank from one rank's.
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL on CUDA, else gloo).
         timeout_s: Deadline of every collective; ``None`` is :data:`distkit.DEFAULT_TIMEOUT_S`.
 
@@ -113,6 +118,7 @@ class FSDPStrategy:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    broadcast_buffers: bool = True
     backend: str | None = None
     timeout_s: float | None = None
 
