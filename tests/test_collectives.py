@@ -178,6 +178,28 @@ def test_uneven_gather_returns_each_ranks_exact_rows(ranks) -> None:
         assert scalars == [0.0, 1.0, 2.0]
 
 
+def test_uneven_gather_pads_every_dimension_to_the_largest_size() -> None:
+    # Every rank must hand gloo the same number of elements: padding the first dimension alone
+    # would make a rank of (2, 3) send 9 elements against another's 6, and gloo aborts the process
+    # (SIGABRT) instead of raising. The rule is checked here, before any collective could crash.
+    from distkit.collectives import _padded_shape
+
+    # No rank is largest in every trailing dimension: a rule that keeps any one rank's trailing
+    # sizes gets each case wrong.
+    cases = {
+        ((3, 2), (2, 3)): (3, 3),
+        ((1, 4, 1), (2, 3, 2), (3, 2, 1)): (3, 4, 2),
+        ((0, 5), (2, 0)): (2, 5),
+        ((), ()): (),
+    }
+    for shapes, expected in cases.items():
+        got = _padded_shape(list(shapes))
+        assert got == expected, (
+            f"all_gather of shapes {shapes} pads each rank's tensor to {got}, not {expected}: every "
+            f"dimension must be padded to its largest size, or the ranks send different sizes"
+        )
+
+
 def gather_wrong_dims_or_dtype() -> list[str]:
     rank = distkit.get_rank()
     messages = []

@@ -349,12 +349,24 @@ def call_on_rank_0_only(helper: str, run_dir: str) -> tuple[float, str, list[int
     result = None
     if distkit.get_rank() == 0:
         start = time.monotonic()
-        try:
-            ALONE[helper](run_dir)
-        except distkit.CollectiveMismatchError as err:
-            result = (time.monotonic() - start, str(err), err.missing_ranks)
+        outcome: list[tuple[float, str, list[int]] | str] = []
+
+        def call() -> None:
+            try:
+                ALONE[helper](run_dir)
+                outcome.append("returned")
+            except distkit.CollectiveMismatchError as err:
+                outcome.append((time.monotonic() - start, str(err), err.missing_ranks))
+
+        # In a thread: a helper that never raises is named here in 20 s, not by the pool's deadline.
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(20.0)
+        assert outcome, f"{helper} on rank 0 alone raised no CollectiveMismatchError within 20 s"
+        assert outcome[0] != "returned", f"{helper} on rank 0 alone returned"
+        result = outcome[0]
     dist.barrier()  # the other ranks wait here, in another collective; rank 0 joins them after
-    return result
+    return result  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("helper", sorted(ALONE))

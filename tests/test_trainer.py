@@ -14,6 +14,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -505,15 +506,33 @@ class StopAfterStep(Callback):
             trainer.should_stop = True
 
 
-def stop_requested_on_one_rank(tmp: str, strategy: str = "ddp", rank: int = 1) -> int:
+def stop_requested_on_one_rank(tmp: str, strategy: str = "ddp", rank: int = 1) -> int | str:
     torch.manual_seed(0)
     model = SimpleModel()
-    trainer = quiet_trainer(tmp, strategy=strategy, max_epochs=5, callbacks=[StopAfterStep(rank)])
-    trainer.fit(
-        model,
-        RandomDataset(20, 640),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        loss_fn=nn.functional.cross_entropy,
+    # The hang doctor off: it would end a rank left waiting (exit 124) before this test could say why.
+    trainer = quiet_trainer(
+        tmp, strategy=strategy, max_epochs=5, callbacks=[StopAfterStep(rank)], hang_timeout_s=None
+    )
+
+    def fit() -> None:
+        trainer.fit(
+            model,
+            RandomDataset(20, 640),
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+
+    if strategy == "single":
+        fit()
+        return trainer.global_step
+    # In a thread: a rank that goes on training after another stopped waits in a collective that
+    # never completes; the test then names it at once instead of the pool's deadline a minute later.
+    runner = threading.Thread(target=fit, daemon=True)
+    runner.start()
+    runner.join(20.0)
+    assert not runner.is_alive(), (
+        f"rank {distkit.get_rank()} is still in fit 20 s after rank {rank} asked to stop after step 3 "
+        f"(this rank is at step {trainer.global_step}): the stop request was not agreed across ranks"
     )
     return trainer.global_step
 
@@ -521,7 +540,11 @@ def stop_requested_on_one_rank(tmp: str, strategy: str = "ddp", rank: int = 1) -
 def test_should_stop_on_one_rank_stops_every_rank_after_that_step(ranks, tmp_path) -> None:
     # Rank 1 sets it after step 3: step 4 tells every rank and is discarded, as if a single process
     # had stopped after step 3.
-    assert ranks.run(stop_requested_on_one_rank, str(tmp_path)) == [3, 3]
+    steps = ranks.run(stop_requested_on_one_rank, str(tmp_path))
+    assert steps == [3, 3], (
+        f"rank 1 asked to stop after step 3; the ranks ended at {steps}: the stop request was not "
+        f"agreed across ranks"
+    )
 
 
 def test_should_stop_in_one_process_stops_after_that_step(tmp_path) -> None:

@@ -710,7 +710,7 @@ def all_gather(tensor: torch.Tensor, *, group: Any = None) -> list[torch.Tensor]
         )
     ndim = data.dim()
     shapes = [tuple(row[2 : 2 + ndim]) for row in rows.values()]
-    largest = tuple(max(sizes) for sizes in zip(*shapes, strict=True))
+    largest = _padded_shape(shapes)
     if tuple(data.shape) != largest:
         # Padding every dimension (not only the first) costs the one copy a gather of uneven rows
         # costs too; the padding's zeros never reach the caller.
@@ -721,6 +721,13 @@ def all_gather(tensor: torch.Tensor, *, group: Any = None) -> list[torch.Tensor]
     _run("all_gather", data, peers, dist.all_gather, out, data)
     result = [chunk[tuple(slice(0, n) for n in shape)] for chunk, shape in zip(out, shapes, strict=True)]
     return [t.reshape(()) for t in result] if scalar else result
+
+
+def _padded_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape every rank's tensor is padded to for one ``all_gather``: the largest size of each
+    dimension over the ranks. Every rank must send the same number of elements (gloo aborts the
+    process otherwise), so padding only the first dimension would not do. Local."""
+    return tuple(max(sizes) for sizes in zip(*shapes, strict=True))
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
