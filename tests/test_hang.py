@@ -576,3 +576,25 @@ def test_a_real_script_reports_a_dead_rank_through_its_excepthook(tmp_path: Path
     assert "ranks [1]   gone: its process" in report, report
     assert "failed in DistributedDataParallel backward all-reduce: RuntimeError" in report, report
     assert _at("extra_batch") in report, report
+
+
+def test_the_doctors_tables_name_functions_where_they_are_defined() -> None:
+    # The doctor tells distkit's bounded waits from hangs by (module, function). A function that
+    # moved (a module that became a package, a rename) would silently turn its wait into a
+    # reported hang: every entry must name the module whose file defines the function.
+    import importlib
+
+    from distkit import _hang_where
+
+    tables = [*_hang_where._DISTKIT_WAITS, *_hang_where._DISTKIT_EXEMPT]
+    for module_name, function in tables:
+        target: Any = importlib.import_module(module_name)
+        for part in function.split("."):
+            target = getattr(target, part, None)
+        assert target is not None, f"the hang doctor names {module_name}.{function}, which does not exist"
+        code = target.__code__
+        assert _hang_where._key(code) == (module_name, function), (
+            f"{module_name}.{function} is defined in {code.co_filename}: update the hang doctor's table"
+        )
+    for module_name in _hang_where._TRAINER_PASSTHROUGH:
+        importlib.import_module(module_name)

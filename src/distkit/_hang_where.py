@@ -67,18 +67,25 @@ _BACKWARD = frozenset(
         ("_tensor.py", "backward"),
     }
 )
-# distkit's own waits: (file, function) -> the helper named in the report.
-_DISTKIT_WAITS = {("collectives.py", "_wait"): None, ("runtime.py", "_wait_released"): "barrier"}
+# The tables below name distkit's functions by module and qualified name (``_Section.follow``), not
+# by file name: a file that moves into a package keeps its module path through the
+# facade's re-export, and tests/test_hang.py checks that every entry names a function that exists,
+# so a move cannot silently turn a bounded wait into a reported hang.
+# distkit's own waits: (module, function) -> the helper named in the report.
+_DISTKIT_WAITS = {
+    ("distkit.collectives", "_wait"): None,
+    ("distkit.runtime", "_wait_released"): "barrier",
+}
 # distkit waits with their own liveness check and deadline: never a hang on their own.
 _DISTKIT_EXEMPT = {
     (
-        "coordination.py",
-        "follow",
+        "distkit.coordination",
+        "_Section.follow",
     ): "waiting for the main process to finish its block (its heartbeat is watched)",
-    ("_commit.py", "settle_other"): "waiting for rank 0 to commit the checkpoint",
+    ("distkit.checkpoint._commit", "_Handshake.settle_other"): "waiting for rank 0 to commit the checkpoint",
 }
 # Thin wrappers of the Trainer whose caller is the more useful line.
-_TRAINER_PASSTHROUGH = frozenset({"precision.py"})
+_TRAINER_PASSTHROUGH = frozenset({"distkit.trainer.precision"})
 # Local names a hand-written loop commonly counts its steps in.
 _STEP_NAMES = ("step", "global_step", "iter_num", "iteration", "it")
 
@@ -152,6 +159,20 @@ def _category(filename: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
+def _module(filename: str) -> str:
+    """The dotted module of a file inside distkit (``"distkit.checkpoint._commit"``); ``""`` outside."""
+    path = os.path.abspath(filename)
+    if not path.startswith(_DISTKIT_DIR):
+        return ""
+    parts = ["distkit", *os.path.splitext(path[len(_DISTKIT_DIR) :])[0].split(os.sep)]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _key(code: CodeType) -> tuple[str, str]:
+    return _module(code.co_filename), _qualname(code)
+
+
+@functools.lru_cache(maxsize=4096)
 def _torch_relative(filename: str) -> str:
     return os.path.abspath(filename)[len(_TORCH_DIR) :].replace(os.sep, "/")
 
@@ -183,7 +204,7 @@ def _decisive(frames: Frames) -> tuple[int, str] | None:
         if category == "stdlib":
             continue
         if category == "distkit":
-            key = (os.path.basename(code.co_filename), code.co_name)
+            key = _key(code)
             if key in _DISTKIT_WAITS:
                 return index, "distkit-wait"
             if key in _DISTKIT_EXEMPT:
@@ -228,7 +249,7 @@ def _shown_index(frames: Frames) -> int | None:
             return caller
         if category == "user":
             return index
-        if category == "trainer" and os.path.basename(code.co_filename) not in _TRAINER_PASSTHROUGH:
+        if category == "trainer" and _module(code.co_filename) not in _TRAINER_PASSTHROUGH:
             return index
         if fallback is None and category != "stdlib":
             fallback = index
@@ -254,7 +275,7 @@ def _distkit_entry(frames: Frames, shown: int | None, decisive: int) -> str | No
 def _helper(frames: Frames, decisive: int) -> str | None:
     """The public distkit collective around a distkit wait (``all_gather_object``, ``barrier``)."""
     code = frames[decisive][0]
-    named = _DISTKIT_WAITS.get((os.path.basename(code.co_filename), code.co_name))
+    named = _DISTKIT_WAITS.get(_key(code))
     if named:
         return named
     for outer_code, _, _ in frames[decisive + 1 :]:
@@ -324,7 +345,7 @@ def locate(frames: Frames, *, has_ddp: Callable[[], bool] | None = None) -> Loca
         return Location(WAIT, op, helper=helper, stack=stack, **where)
     if category == "exempt":
         code = frames[index][0]
-        why = _DISTKIT_EXEMPT[(os.path.basename(code.co_filename), code.co_name)]
+        why = _DISTKIT_EXEMPT[_key(code)]
         return Location(EXEMPT, f"distkit.{entry or _qualname(code)} ({why})", stack=stack, **where)
     if category == "torch-collective":
         op = _torch_op(frames, index)
