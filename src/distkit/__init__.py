@@ -12,7 +12,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from distkit._version import __version__
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
     from distkit.bench import (

@@ -103,15 +103,15 @@ def collect_env() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    import distkit
     from distkit import monitor, runtime
+    from distkit._version import __version__
     from distkit.errors import DistkitError
 
     problems: list[dict[str, str]] = []
     cuda_available = torch.cuda.is_available()
     gpus, driver, nvml_reason = monitor._gpu_inventory()
     report: dict[str, Any] = {
-        "distkit": distkit.__version__,
+        "distkit": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -297,7 +297,7 @@ class _Counts(argparse.Action):
 
 def _parser() -> argparse.ArgumentParser:
     # Nothing here may import torch: `distkit --help` and `distkit --version` must answer at once.
-    from distkit import __version__
+    from distkit._version import __version__
     from distkit.bench._names import PRESET_NAMES, STRATEGIES
 
     parser = argparse.ArgumentParser(

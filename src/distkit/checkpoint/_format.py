@@ -220,7 +220,7 @@ def _manifest_builder(
     entries written through DCP and which module each optimizer belongs to) and ``shard_files``
     (DCP's files, with their sizes and CRC32) make it a ``distkit-sharded-checkpoint``.
     """
-    from distkit import __version__
+    from distkit._version import __version__
 
     def build(info: dict[str, Any]) -> bytes:
         manifest = {
@@ -325,7 +325,7 @@ def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
     if not _is_int(version) or version < 1:
         raise malformed(f"has format_version {_shown(version)}; expected an integer >= 1")
     if version > _FORMAT_VERSION:
-        from distkit import __version__
+        from distkit._version import __version__
 
         raise DistkitError(
             f"checkpoint {redact_url(path)} has format_version {version} (its {_MANIFEST_FILE} says "

@@ -271,9 +271,7 @@ def _run_task(sys_path: list[str], payload: bytes) -> tuple[Any, ...]:
 
 def _join(spec: WorkerSpec) -> None:
     if spec.init:
-        import distkit
-
-        distkit.init(spec.backend, timeout_s=distkit.DEFAULT_TIMEOUT_S)
+        runtime.init(spec.backend, timeout_s=runtime.DEFAULT_TIMEOUT_S)
     # torch was imported before OMP_NUM_THREADS was set (forkserver preload), so apply it here.
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
@@ -281,9 +279,7 @@ def _join(spec: WorkerSpec) -> None:
 
 
 def _leave() -> None:
-    import distkit
-
-    distkit.shutdown()
+    runtime.shutdown()
     # A function run with init=False may have created the group by hand; the process is exiting.
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -14,7 +14,7 @@ from distkit import runtime
 from distkit.collectives import all_reduce, any_rank, reduce_metrics
 from distkit.errors import DistkitError
 from distkit.trainer import _logs, _model_io
-from distkit.trainer._step import _batch_size, _metric_value, _to_device
+from distkit.trainer._batches import batch_size, metric_value, to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def evaluate(
     sums: dict[str, list[Any]] = {}
 
     def add(name: str, value: Any, size: int) -> None:
-        total, count = _metric_value(name, value, size)
+        total, count = metric_value(name, value, size)
         entry = sums.setdefault(name, [0.0, 0.0])
         entry[0] = entry[0] + total
         entry[1] += count
@@ -100,7 +100,7 @@ def evaluate(
                 else:
                     module(_model_io.split_batch(last)[0])
             continue
-        batch = last = _to_device(batch, device)
+        batch = last = to_device(batch, device)
         with precision.autocast():
             if callable(step_fn):
                 out = step_fn(batch, batch_idx)
@@ -108,7 +108,7 @@ def evaluate(
                     raise TypeError(
                         f"{step_fn.__name__}() must return a dict of metrics, got {type(out).__name__}."
                     )
-                size = _batch_size(batch)
+                size = batch_size(batch)
                 for name, value in out.items():
                     add(name, value, size)
                 continue
@@ -122,7 +122,7 @@ def evaluate(
                 inputs, target = _model_io.split_batch(batch)
                 output = module(inputs)
                 loss = loss_fn(output, target)  # type: ignore[misc]
-            size = _batch_size(batch)
+            size = batch_size(batch)
             add(f"{prefix}_loss", loss, size)
             for name, fn in metric_fns.items():
                 if output is None or target is None:

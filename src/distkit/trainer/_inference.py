@@ -22,7 +22,7 @@ from distkit.checkpoint import load_checkpoint
 from distkit.collectives import all_gather_object, reduce_metrics
 from distkit.data import gather_for_metrics
 from distkit.trainer import _evaluate, _model_io, _setup, launch, strategies
-from distkit.trainer._step import _to_device
+from distkit.trainer._batches import to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def predict(
                 index, batch = batch
                 indices.append(index)
                 size = len(index)
-            batch = last = _to_device(batch, trainer.device)  # type: ignore[arg-type]
+            batch = last = to_device(batch, trainer.device)  # type: ignore[arg-type]
         with precision.autocast():
             if callable(predict_step):
                 output = predict_step(last, max(batch_idx, 0))

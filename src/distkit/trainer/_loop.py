@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distkit.trainer import _evaluate, _logs
-from distkit.trainer._step import _mean_over_devices, _to_device, optimizer_step
+from distkit.trainer._batches import to_device
+from distkit.trainer._step import _mean_over_devices, optimizer_step
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer
@@ -59,7 +60,7 @@ def run_epoch(trainer: Trainer) -> None:
     micro_sum = 0.0
     for batch_idx, batch in enumerate(iterator, start=first):
         if move:
-            batch = _to_device(batch, device)
+            batch = to_device(batch, device)
         if accumulate == 1 or not micro_losses:
             # The step's first micro-batch: what a stop request would give back (about 1 us).
             trainer._states_at_step = (

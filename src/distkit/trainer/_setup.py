@@ -19,13 +19,14 @@ from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
 from distkit.trainer import _report, _run_config, schedules
+from distkit.trainer._fsdp import FSDPStrategyRunner
 from distkit.trainer._state import (
     _is_inside,
     _rebind,
     _track_optimizer_steps,
 )
 from distkit.trainer._step import _StepModule
-from distkit.trainer._strategy import make_strategy
+from distkit.trainer._strategy import DataParallelStrategy, DDPStrategyRunner, Strategy
 from distkit.trainer.callbacks import Callback, ModelCheckpoint
 from distkit.trainer.loggers import CSVLogger, Logger
 from distkit.trainer.precision import Precision
@@ -63,7 +64,7 @@ def setup(
 
     trainer.model = model
     trainer._model_class = type(model)  # FSDP changes the class (MLP becomes FSDPMLP)
-    strategy = trainer._strategy = make_strategy(plan, compile=trainer.compile)
+    strategy = trainer._strategy = _make_strategy(plan, compile=trainer.compile)
     trainer._precision = Precision(trainer.precision, trainer.device, autocast=strategy.uses_autocast())
     # Names of the parameters as given: a strategy that replaces them (FSDP shards them) gets
     # an optimizer made over the originals rebound to the replacements.
@@ -523,3 +524,14 @@ def check_options(
         # DataParallel copies the module's attributes into its replicas, a compiled forward bound
         # to the original module included: every replica would run on the first GPU.
         raise ValueError("compile=True is not supported with strategy='dp'; use strategy='ddp' (or 'fsdp').")
+
+
+def _make_strategy(plan: strategies._Plan, *, compile: bool = False) -> Strategy:
+    """The strategy object of ``plan`` for this process (after the process group is up). Local."""
+    if plan.kind == "dp":
+        return DataParallelStrategy(plan, compile=compile)
+    if plan.kind == "fsdp" and runtime.get_world_size() > 1:
+        return FSDPStrategyRunner(plan, compile=compile)
+    if plan.kind in ("ddp", "fsdp"):
+        return DDPStrategyRunner(plan, compile=compile)
+    return Strategy(plan, compile=compile)

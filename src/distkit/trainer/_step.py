@@ -1,6 +1,6 @@
 """What the loop calls once per micro-batch and once per optimizer step: the step module (the model
-and its loss, which the strategy wraps), the small readers of batches, losses and validation values
-(local), and the optimizer step with its clipping, skip and stop decisions."""
+and its loss, which the strategy wraps) and the optimizer step with its clipping, skip and stop
+decisions. The small readers of batches live in :mod:`distkit.trainer._batches`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from torch import nn
 
 from distkit import runtime
-
-# _evaluate imports this module's readers; by the time a step runs both are loaded.
 from distkit.trainer import _evaluate, _logs, _model_io, _nonfinite, _preemption
 
 if TYPE_CHECKING:
@@ -116,48 +114,6 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             "the model's output, not detached or converted with .item())."
         )
     return loss.reshape(()), extras
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch  # loaders yield CPU tensors; .to() would only cost dispatch time
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        moved = [_to_device(item, device) for item in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    if isinstance(batch, Mapping):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    return batch
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, Mapping) and batch:
-        return _batch_size(next(iter(batch.values())))
-    raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch).__name__}.")
-
-
-def _metric_value(name: str, value: Any, batch_size: int) -> tuple[torch.Tensor | float, float]:
-    """A validation value as a ``(sum, count)`` pair: pairs pass, per-sample tensors are summed,
-    scalars are batch means weighted by the batch size."""
-    if isinstance(value, tuple) and len(value) == 2:
-        total, count = value
-        return (total.detach().double() if isinstance(total, torch.Tensor) else float(total)), float(count)
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.numel() == 1:
-            return value.double().reshape(()) * batch_size, float(batch_size)
-        return value.double().sum(), float(value.numel())
-    if isinstance(value, (int, float)):
-        return float(value) * batch_size, float(batch_size)
-    raise TypeError(
-        f"validation metric {name!r} must be a tensor (per sample, or the batch mean), a number or a "
-        f"(sum, count) pair, got {type(value).__name__}."
-    )
 
 
 def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: int) -> bool:

@@ -177,19 +177,6 @@ class DDPStrategyRunner(Strategy):
         return wrapped.no_sync()
 
 
-def make_strategy(plan: _Plan, *, compile: bool = False) -> Strategy:
-    """The strategy object of ``plan`` for this process (after the process group is up). Local."""
-    if plan.kind == "dp":
-        return DataParallelStrategy(plan, compile=compile)
-    if plan.kind == "fsdp" and runtime.get_world_size() > 1:
-        from distkit.trainer._fsdp import FSDPStrategyRunner
-
-        return FSDPStrategyRunner(plan, compile=compile)
-    if plan.kind in ("ddp", "fsdp"):
-        return DDPStrategyRunner(plan, compile=compile)
-    return Strategy(plan, compile=compile)
-
-
 def _tree_to_cpu(obj: Any) -> Any:
     """``obj`` with its tensors copied to the CPU (for sending to another process)."""
     if isinstance(obj, torch.Tensor):
