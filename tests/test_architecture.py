@@ -23,8 +23,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "distkit"
 # in this list (lower layers), never one further down. The longest matching prefix places a module.
 LAYERS: list[tuple[str, ...]] = [
     ("distkit.errors", "distkit.env", "distkit._version"),
-    ("distkit._fs", "distkit._secrets"),
-    ("distkit._hang", "distkit._hang_where", "distkit._hang_report"),
+    ("distkit._utils",),
+    ("distkit._doctor",),
     ("distkit.runtime",),
     ("distkit.collectives", "distkit.seeding"),
     (
@@ -33,9 +33,6 @@ LAYERS: list[tuple[str, ...]] = [
         "distkit._data_split",
         "distkit.checkpoint",
         "distkit.storage",
-        "distkit._download",
-        "distkit._upload",
-        "distkit._transfer",
         "distkit.monitor",
         "distkit.sharding",
     ),

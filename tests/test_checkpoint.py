@@ -1299,7 +1299,7 @@ def test_a_failure_on_rank_0_raises_on_every_rank_instead_of_hanging(tmp_path, r
 def test_the_hang_doctor_counts_waiting_for_rank_0_to_commit_as_a_bounded_wait_not_a_hang() -> None:
     # That wait has its own deadline (timeout_s). The doctor knows it by the file and function name
     # of its frame, so moving the code must move that key too (it once went stale in a split).
-    from distkit import _hang_where
+    from distkit._doctor import where as _hang_where
     from distkit.checkpoint._commit import _Handshake
 
     assert _hang_where._decisive([(_Handshake.settle_other.__code__, 0, None)]) == (0, "exempt")

@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import distkit
-from distkit import _transfer
 from distkit.errors import DistkitError
+from distkit.storage import _transfer
 from distkit.trainer import Trainer
 
 CE = nn.functional.cross_entropy

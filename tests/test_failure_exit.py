@@ -481,7 +481,8 @@ def test_a_rank_of_distkits_own_process_is_shown_at_distkits_line_not_at_string_
     """`distkit bench` ranks run `python -c "...; _child_main()"`: the only frame outside distkit is
     `<string>:1`. Its reports showed that line and told the user to fix their call; they show the
     bench's own line, marked as distkit's, so that the message says it is distkit's bug."""
-    from distkit import _hang_where, runtime
+    from distkit import runtime
+    from distkit._doctor import where as _hang_where
     from distkit.bench import _timing
 
     entry = compile("_child_main()", "<string>", "exec")

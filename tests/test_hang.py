@@ -584,7 +584,7 @@ def test_the_doctors_tables_name_functions_where_they_are_defined() -> None:
     # reported hang: every entry must name the module whose file defines the function.
     import importlib
 
-    from distkit import _hang_where
+    from distkit._doctor import where as _hang_where
 
     tables = [*_hang_where._DISTKIT_WAITS, *_hang_where._DISTKIT_EXEMPT]
     for module_name, function in tables:

@@ -26,7 +26,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 import distkit
 import storage_servers
 from _launch import job_env, torchrun
-from distkit import _secrets, _transfer, _upload, storage
+from distkit import storage
+from distkit._utils import secrets as _secrets
+from distkit.storage import _transfer, _upload
 from distkit.testing import RankFailedError
 from storage_servers import FileServer, S3Endpoint, Stall
 

@@ -33,7 +33,8 @@ from typing import Any, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from distkit import _hang, runtime
+from distkit import runtime
+from distkit._doctor import doctor as _hang
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from distkit import _hang
+from distkit._doctor import doctor as _hang
 from distkit.env import LaunchEnv, detect_env
 from distkit.errors import CollectiveTimeoutError, DistkitError
 

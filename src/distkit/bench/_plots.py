@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from distkit._fs import atomic_open
+from distkit._utils.fs import atomic_open
 from distkit.bench.profile import ScalingProfile
 from distkit.bench.runner import BenchRow
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from distkit._fs import atomic_open
+from distkit._utils.fs import atomic_open
 from distkit.bench._plots import plot_profiles, plot_rows
 from distkit.bench._prediction import _ACCUMULATE, ScalingProfile, _pays
 from distkit.bench.runner import BenchResult, BenchRow

@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._commit import _Handshake
 from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _Storage

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._files import _storage_for, _verify
 from distkit.checkpoint._format import _is_sharded_manifest

@@ -3,7 +3,7 @@
 The two public errors are defined here, at the bottom of the checkpoint modules, because the
 format, storage and lock modules raise them; :mod:`distkit.checkpoint` re-exports them, and users
 import them from there (their ``__module__`` says so). A checkpoint path or URL appears in a
-message, and in these errors' attributes, only through :func:`distkit._secrets.redact_url`.
+message, and in these errors' attributes, only through :func:`distkit._utils.secrets.redact_url`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.errors import DistkitError
 
 __all__ = ["CheckpointConflictError", "CheckpointCorruptError"]

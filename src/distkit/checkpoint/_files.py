@@ -2,7 +2,7 @@
 
 A checkpoint directory is local (:class:`_LocalStorage`: staged, fsynced, renamed into place) or an
 fsspec URL (:class:`_RemoteStorage`: one put per object, the manifest last, every fsspec call under
-a :class:`distkit._secrets.Scrubber` of the URL). Reading opens regular files only, and
+a :class:`distkit._utils.secrets.Scrubber` of the URL). Reading opens regular files only, and
 :func:`_verify` checks them against their manifest; a failed write is restated with a fix.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from distkit._fs import fsync_dir, temp_name
-from distkit._secrets import Scrubber, redact_url
+from distkit._utils.fs import fsync_dir, temp_name
+from distkit._utils.secrets import Scrubber, redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._format import (
     _MANIFEST_FILE,

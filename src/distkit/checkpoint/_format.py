@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import torch
 
 from distkit import runtime
-from distkit._fs import TEMP_MARKER
-from distkit._secrets import redact_url
+from distkit._utils.fs import TEMP_MARKER
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.errors import DistkitError
 
@@ -42,7 +42,7 @@ _DCP_METADATA_FILE = ".metadata"
 _DCP_FILE_RE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp)$")
 _FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
-# Leftovers of a local save or delete that was killed: temporary names made by distkit._fs.temp_name.
+# Leftovers of a local save or delete that was killed: temporary names made by distkit._utils.fs.temp_name.
 _LEFTOVER_RE = re.compile(r"^\.step_(\d+)" + re.escape(TEMP_MARKER) + "-")
 # Chunks smaller than this (zip headers, alignment padding, small tensors) are gathered into writes
 # of about _COALESCE_BYTES; larger ones go straight through.

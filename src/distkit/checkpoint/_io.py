@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._commit import (
     _check_file_mode,
     _Handshake,

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointConflictError, _label
 from distkit.checkpoint._files import _join, _RemoteStorage, _Storage
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._async import (
     _async_group,
     _full_writer,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError, _label
 from distkit.checkpoint._files import _join, _read_manifest, _Storage, _verify
 from distkit.checkpoint._format import (

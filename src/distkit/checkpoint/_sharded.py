@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _crc32_of_fd, _LocalStorage, _open_regular, _Storage
 from distkit.checkpoint._format import _DCP_METADATA_FILE, _manifest_builder

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import _label
 from distkit.errors import DistkitError
 

@@ -32,7 +32,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from distkit import _hang
+from distkit._doctor import doctor as _hang
 from distkit.errors import DistkitError
 from distkit.testing import _worker
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.collectives import all_reduce, reduce_metrics
 
 if TYPE_CHECKING:

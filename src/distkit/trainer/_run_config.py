@@ -11,7 +11,7 @@ rate are what a resume is for.
 
 Credentials never reach a file or a tracker: what is written (``config.yaml``), logged (the
 hyperparameters) or compared (across ranks, on resume) is the configuration after
-:func:`distkit._secrets.redact_data`, the redaction of distkit's own messages (a URL's user part and
+:func:`distkit._utils.secrets.redact_data`, the redaction of distkit's own messages (a URL's user part and
 query values, values under credential names). The saved file is compared with the redacted new one,
 so a rotated token is no change of the run. ``config.yaml`` has the checkpoints' mode (owner only,
 ``docs/config.md``).
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distkit import runtime
-from distkit._fs import atomic_open
-from distkit._secrets import redact_data, redact_url
+from distkit._utils.fs import atomic_open
+from distkit._utils.secrets import redact_data, redact_url
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE
 from distkit.collectives import all_gather_object, broadcast_object
 from distkit.errors import DistkitError
@@ -61,7 +61,7 @@ _HEADER = (
 def get_run_config(trainer: Trainer) -> dict[str, Any] | None:
     """The run configuration the Trainer carries, or ``None``. Local.
 
-    Redacted (:func:`distkit._secrets.redact_data`): this is the configuration as it is saved,
+    Redacted (:func:`distkit._utils.secrets.redact_data`): this is the configuration as it is saved,
     logged and compared; the Trainer's own objects keep the real values.
     """
     config = getattr(trainer, "run_config", None)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit._secrets import redact_url
+from distkit._utils.secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.errors import DistkitError

@@ -36,7 +36,7 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
     ) from _err
 
 from distkit import runtime
-from distkit._secrets import Scrubber
+from distkit._utils.secrets import Scrubber
 from distkit.seeding import seed_everything
 from distkit.trainer import _config_errors
 from distkit.trainer.trainer import Trainer

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit._fs import atomic_open
+from distkit._utils.fs import atomic_open
 from distkit.errors import DistkitError
 from distkit.seeding import (
     _capture_process_seeding,

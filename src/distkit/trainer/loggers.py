@@ -5,7 +5,7 @@ The Trainer calls loggers on the main process only, with values already reduced 
 logger never communicates and never sees a rank's partial view.
 
 What every built-in logger writes or sends goes through distkit's redaction first
-(:mod:`distkit._secrets`: a URL's user part and query values, values under credential names), and
+(:mod:`distkit._utils.secrets`: a URL's user part and query values, values under credential names), and
 the files it writes in a run directory have the checkpoints' mode, owner only (``FILE_MODE``;
 the folders it makes for a tracker's own files, ``DIR_MODE``); ``docs/trainer.md``, "Loggers".
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from distkit import runtime
-from distkit._fs import atomic_open
-from distkit._secrets import redact_data, redact_text
+from distkit._utils.fs import atomic_open
+from distkit._utils.secrets import redact_data, redact_text
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
@@ -50,12 +50,12 @@ def make_private_dir(path: Path) -> None:
 
 def plain_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """``params`` as JSON data (other objects as their text), redacted
-    (:func:`distkit._secrets.redact_data`): what a logger may write or send. Local."""
+    (:func:`distkit._utils.secrets.redact_data`): what a logger may write or send. Local."""
     return redact_data(json.loads(json.dumps(dict(params), default=str)))  # type: ignore[no-any-return]
 
 
 def metric_names(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` with each name through :func:`distkit._secrets.redact_text` (a name is text a
+    """``metrics`` with each name through :func:`distkit._utils.secrets.redact_text` (a name is text a
     user's code chose, and could hold a URL). Local."""
     return {redact_text(str(name)): value for name, value in metrics.items()}
 

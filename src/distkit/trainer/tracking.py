@@ -6,7 +6,7 @@ process was killed (``docs/trainer.md``, "Loggers"): a step counts as logged for
 the tracker holds it durably. MLflow writes synchronously, so a step is logged when ``log_batch``
 returns; wandb's service buffers its file, so the wandb logger keeps a journal of its steps and, on
 resume, logs again those of them that the killed attempt's files do not hold. What is written or
-sent goes through distkit's redaction (:mod:`distkit._secrets`). The trackers are optional extras
+sent goes through distkit's redaction (:mod:`distkit._utils.secrets`). The trackers are optional extras
 (``distkit[mlflow]``, ``distkit[wandb]``), imported when a logger is made, so ``import distkit``
 stays light.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from distkit import runtime
-from distkit._fs import atomic_open
-from distkit._secrets import redact_argv, redact_data, redact_text, redact_url
+from distkit._utils.fs import atomic_open
+from distkit._utils.secrets import redact_argv, redact_data, redact_text, redact_url
 from distkit.trainer.loggers import FILE_MODE, Logger, make_private_dir, metric_names, plain_params
 
 __all__ = ["MLflowLogger", "WandbLogger"]

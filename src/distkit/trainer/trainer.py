@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit._hang import check_timeout
+from distkit._doctor.doctor import check_timeout
 from distkit.trainer import (
     _inference,
     _logs,

@@ -1,7 +1,7 @@
 """The hang doctor's roll-call report: one text from every rank's answer, and the file it goes to.
 
 An answer is a plain dict (it travels as JSON through the job's store): ``rank``, ``host``, ``pid``,
-the :class:`~distkit._hang_where.Location` fields (``kind``, ``op``, ``file``, ``line``, ``context``,
+the :class:`~distkit._doctor.where.Location` fields (``kind``, ``op``, ``file``, ``line``, ``context``,
 ``step``, ``stack``), ``seqs`` (operations issued per process group) and ``note``. Besides the
 location kinds, ``kind`` may be ``"failed"`` (this rank's collective raised, ``note`` says what),
 ``"raised"`` (the rank is ending with an exception of its own, ``note`` says which, ``file`` and

@@ -25,9 +25,10 @@ import filelock
 import fsspec
 
 from distkit import coordination
-from distkit._fs import atomic_open, fsync_dir, temp_name, umask_mode
-from distkit._secrets import Scrubber
-from distkit._transfer import (
+from distkit._utils.fs import atomic_open, fsync_dir, temp_name, umask_mode
+from distkit._utils.secrets import Scrubber
+from distkit.errors import DistkitError
+from distkit.storage._transfer import (
     _CHUNK,
     _MANIFEST_FORMAT,
     _MANIFEST_VERSION,
@@ -40,7 +41,6 @@ from distkit._transfer import (
     _protocols,
     _with_retries,
 )
-from distkit.errors import DistkitError
 
 __all__ = ["ChecksumMismatchError", "LockTimeoutError", "download"]
 

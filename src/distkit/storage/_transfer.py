@@ -2,7 +2,7 @@
 
 :func:`_with_retries` retries what fails for a reason that passes (a dropped connection, a timeout,
 a 5xx answer) with back-off. The markers' names and the manifest's format are the contract between
-:mod:`distkit._upload`, which writes them, and :mod:`distkit._download`, which reads them.
+:mod:`distkit.storage._upload`, which writes them, and :mod:`distkit.storage._download`, which reads them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from distkit import coordination, runtime
-from distkit._secrets import Scrubber
+from distkit._utils.secrets import Scrubber
 from distkit.errors import DistkitError
 
 T = TypeVar("T")

@@ -42,7 +42,8 @@ WAIT = "wait"
 EXEMPT = "exempt"
 BUSY = "busy"
 
-_DISTKIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DOCTOR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DISTKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TRAINER_DIR = os.path.join(_DISTKIT_DIR, "trainer") + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_DIRS = tuple(
@@ -113,9 +114,7 @@ class Location:
 
 
 # The hang doctor's own modules: their frames (a thread asking where it is) are never shown.
-_DOCTOR_FILES = frozenset(
-    os.path.join(_DISTKIT_DIR, name) for name in ("_hang.py", "_hang_where.py", "_hang_report.py")
-)
+_DOCTOR_FILES = frozenset(os.path.join(_DOCTOR_DIR, name) for name in ("doctor.py", "where.py", "report.py"))
 
 
 def thread_frames(ident: int | None) -> Frames:

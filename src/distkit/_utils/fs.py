@@ -9,7 +9,7 @@ the rename itself survives a power loss.
 ``mkdir`` under the process umask, for files written through a temporary name (``mkstemp`` makes
 them private).
 
-Credentials in URLs, errors and logs are :mod:`distkit._secrets`' concern.
+Credentials in URLs, errors and logs are :mod:`distkit._utils.secrets`' concern.
 """
 
 from __future__ import annotations

@@ -19,20 +19,20 @@ from a partial one; :func:`download` refuses a partial one and checks a complete
 
 Credentials in ``storage_options``, in URLs and in HTTP headers are replaced by ``***`` in every
 message, exception chain, ``repr`` and log line (distkit's, and fsspec's, aiohttp's and botocore's
-during a call); see :class:`distkit._secrets.Scrubber`.
+during a call); see :class:`distkit._utils.secrets.Scrubber`.
 """
 
 from __future__ import annotations
 
-# The code lives in private modules, one concern each; this module is their public face.
+# The code lives in private modules of this package, one concern each; this is their public face.
 #   _download.py  download(): the lock, rank-0-first coordination, the manifest check
 #   _upload.py    upload(): the tree check, safe opening, the markers, UploadHandle
 #   _transfer.py  what both share: retries of transient errors, the markers' names, the log
-from distkit._download import ChecksumMismatchError, LockTimeoutError, download
-from distkit._transfer import (  # importable from here as before; not part of __all__
+from distkit.storage._download import ChecksumMismatchError, LockTimeoutError, download
+from distkit.storage._transfer import (  # importable from here as before; not part of __all__
     INCOMPLETE_NAME as INCOMPLETE_NAME,
     MANIFEST_NAME as MANIFEST_NAME,
 )
-from distkit._upload import UploadHandle, upload
+from distkit.storage._upload import UploadHandle, upload
 
 __all__ = ["ChecksumMismatchError", "LockTimeoutError", "UploadHandle", "download", "upload"]

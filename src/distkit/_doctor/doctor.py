@@ -46,8 +46,8 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from distkit import _hang_report, _hang_where
-from distkit._hang_where import BUSY, WAIT
+from distkit._doctor import report as _hang_report, where as _hang_where
+from distkit._doctor.where import BUSY, WAIT
 from distkit.errors import CollectiveMismatchError, DistkitError
 
 __all__ = ["HANG_EXIT_CODE", "PEER_FAILED_EXIT_CODE"]

@@ -2,7 +2,7 @@
 
 :func:`_plan_upload` checks the whole source tree before anything is written and returns an
 :class:`_Upload`: which local files go to which remote paths. :meth:`_Upload.run` writes them,
-opening each without following links, framed by the markers of :mod:`distkit._transfer`.
+opening each without following links, framed by the markers of :mod:`distkit.storage._transfer`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from urllib.parse import urlsplit
 import fsspec
 
 from distkit import coordination, runtime
-from distkit._fs import TEMP_MARKER, atomic_open, fd_path, fsync_dir, umask_mode
-from distkit._secrets import Scrubber, redact_url
-from distkit._transfer import (
+from distkit._utils.fs import TEMP_MARKER, atomic_open, fd_path, fsync_dir, umask_mode
+from distkit._utils.secrets import Scrubber, redact_url
+from distkit.errors import DistkitError
+from distkit.storage._transfer import (
     _CHUNK,
     _MANIFEST_FORMAT,
     _MANIFEST_VERSION,
@@ -47,7 +48,6 @@ from distkit._transfer import (
     _protocols,
     _with_retries,
 )
-from distkit.errors import DistkitError
 
 __all__ = ["UploadHandle", "upload"]
 
