@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "distkit.coordination",
         "distkit.data",
-        "distkit._data_split",
+        "distkit.optim",
         "distkit.checkpoint",
         "distkit.storage",
         "distkit.monitor",

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.nn.parallel import DistributedDataParallel
 
 import distkit
-from distkit.data import DistributedLoader, DistributedSplitSampler, _batch_plan, _rank_batches
+from distkit.data import DistributedLoader, DistributedSplitSampler
+from distkit.data._split import _batch_plan, _rank_batches
 
 # Workers forked from the rank: the test ranks come from a forkserver, whose children would
 # otherwise start workers through a forkserver too (re-importing torch: seconds per worker).

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import distkit
-from distkit._data_split import (
+from distkit.data._split import (
     _batch_plan,
     _continued,
     _epoch_order,

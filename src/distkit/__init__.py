@@ -49,9 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         distributed_dataloader as distributed_dataloader,
         distributed_sampler as distributed_sampler,
         gather_for_metrics as gather_for_metrics,
-        linear_warmup as linear_warmup,
         profile_dataloader as profile_dataloader,
-        scale_lr as scale_lr,
     )
     from distkit.env import (
         LaunchEnv as LaunchEnv,
@@ -69,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         ThroughputMeter as ThroughputMeter,
         memory_stats as memory_stats,
     )
+    from distkit.optim import linear_warmup as linear_warmup, scale_lr as scale_lr
     from distkit.runtime import (
         DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
         HANG_EXIT_CODE as HANG_EXIT_CODE,
@@ -197,8 +196,8 @@ _LAZY: dict[str, str] = {
     "distributed_dataloader": "distkit.data",
     "gather_for_metrics": "distkit.data",
     "profile_dataloader": "distkit.data",
-    "scale_lr": "distkit.data",
-    "linear_warmup": "distkit.data",
+    "scale_lr": "distkit.optim",
+    "linear_warmup": "distkit.optim",
     "DistributedLoader": "distkit.data",
     "DistributedSplitSampler": "distkit.data",
     "DataLoaderProfile": "distkit.data",

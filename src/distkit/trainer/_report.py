@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distkit import runtime
-from distkit._data_split import _per_rank_samples
 from distkit._utils.secrets import redact_url
 from distkit.data import DistributedLoader
+from distkit.data._split import _per_rank_samples
 from distkit.trainer import _run_config, schedules
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit.data import scale_lr as _scale_lr
+from distkit.optim import scale_lr as _scale_lr
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer

@@ -1,0 +1,75 @@
+"""Checks of the arguments shared by the sampler and the loader. Local."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
+
+from distkit import collectives, runtime
+from distkit.errors import DistkitError
+
+__all__: list[str] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared by the sampler and the loader
+
+
+def _dataset_len(dataset: Any, what: str) -> int:
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"{what} needs a map-style dataset (with __len__ and __getitem__), got the IterableDataset "
+            f"{type(dataset).__name__}. Shard an iterable dataset inside its __iter__ by rank and "
+            f"worker, and pass worker_init_fn=distkit.seed_worker to your own DataLoader."
+        )
+    try:
+        return len(dataset)
+    except TypeError as err:
+        raise TypeError(
+            f"{what} needs a map-style dataset with __len__ and __getitem__; "
+            f"{type(dataset).__name__} has no __len__."
+        ) from err
+
+
+def _plural(count: int, singular: str, plural: str) -> str:
+    return f"{count} {singular if count == 1 else plural}"
+
+
+def _check_enough_samples(n: int, world_size: int, what: str) -> None:
+    if n >= world_size:
+        return
+    if world_size == 1:  # then n == 0; a world of one has no ranks to talk about
+        raise ValueError(f"{what}: the dataset is empty (0 samples); pass a dataset with at least 1 sample.")
+    if n == 0:
+        raise ValueError(
+            f"{what}: the dataset is empty (0 samples), so none of the {world_size} ranks would get a "
+            f"sample; pass a dataset with at least {world_size} samples (one per rank)."
+        )
+    raise ValueError(
+        f"{what}: the dataset has {_plural(n, 'sample', 'samples')} but the job has {world_size} "
+        f"ranks, so some rank would get none. Use a dataset of at least {world_size} samples, or run at most "
+        f"{_plural(n, 'process', 'processes')}."
+    )
+
+
+def _check_same_on_every_rank(what: str, values: dict[str, object]) -> None:
+    # Each rank computes the split on its own; ranks that disagree on the order or the sizes would
+    # silently train on overlapping samples. One small gather at construction makes that an error.
+    world_size = runtime.get_world_size()
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    gathered = collectives.all_gather_object(values)
+    differing = [key for key in values if any(g[key] != values[key] for g in gathered)]
+    if not differing:
+        return
+    per_rank = "; ".join(
+        f"rank {rank}: " + ", ".join(f"{key}={g[key]!r}" for key in differing)
+        for rank, g in enumerate(gathered)
+    )
+    raise DistkitError(
+        f"[rank {runtime.get_rank()}/{world_size}] {what} needs the same {', '.join(differing)} on every "
+        f"rank, got {per_rank}. Give every rank the same dataset and options, and seed every rank with "
+        f"the same seed (seed_everything(seed), not seed + rank): each rank computes the split itself."
+    )
