@@ -91,7 +91,8 @@ def _op_name(op: _Op, allowed: tuple[str, ...], fn: str) -> str:
     # ReduceOp(ReduceOp.SUM) wraps the enum member. The members pass isinstance(op, ReduceOp)
     # too, so they are recognised first.
     if not isinstance(op, dist.ReduceOp.RedOpType) and isinstance(op, dist.ReduceOp):
-        op = op.op
+        # torch's stub of ReduceOp lacks `op`, the member a ReduceOp(member) wraps.
+        op = op.op  # type: ignore[attr-defined]
     if isinstance(op, dist.ReduceOp.RedOpType):
         name, shown = _REDUCE_OP_NAMES.get(op), f"torch.distributed.ReduceOp.{op.name}"
     elif isinstance(op, str):
@@ -369,7 +370,7 @@ def _flatten(metrics: Mapping[str, MetricValue]) -> tuple[tuple[tuple[str, bool]
         if not isinstance(key, str):
             raise TypeError(f"metric names must be strings, got {key!r}.")
         is_pair = isinstance(value, tuple)
-        if is_pair:
+        if isinstance(value, tuple):
             if len(value) != 2:
                 raise ValueError(f"metric {key!r}: a pair must be (sum, count), got {value!r}.")
             slots.append(_to_float(key, value[0]))
@@ -825,7 +826,7 @@ def broadcast_object(obj: T, src: int = 0, *, group: Any = None) -> T:
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=peers.device)
     _run_on(peers, "broadcast_object", dist.broadcast, data, src=src)
-    return obj if mine else _from_bytes(data)  # type: ignore[no-any-return]
+    return obj if mine else _from_bytes(data)
 
 
 def _check_scatter_list(objects: Any, size: int) -> None:
@@ -945,7 +946,7 @@ def _scatter_one(objects: Sequence[T] | None) -> T:
     return objects[0]
 
 
-def _flag(flag: bool, op: dist.ReduceOp, what: str, group: Any) -> bool:
+def _flag(flag: bool, op: dist.ReduceOp.RedOpType, what: str, group: Any) -> bool:
     peers = _peers(group, f"{what}()")
     if peers is None:
         return bool(flag)

@@ -148,6 +148,12 @@ class _Section:
     def label(self) -> str:
         return f"[rank {self.rank}/{self.world_size}]"
 
+    @property
+    def _live_store(self) -> dist.Store:
+        """The store, on the paths that run only when the job has one (lead, follow, their helpers)."""
+        assert self.store is not None, "a store-backed path of a section without a store"
+        return self.store
+
     def leader_name(self, leader_rank: int | None) -> str:
         if not self.local:
             return "main process (rank 0)" if self.first == 0 else f"first process (rank {self.first})"
@@ -161,7 +167,7 @@ class _Section:
     @contextlib.contextmanager
     def lead(self) -> Iterator[_Box]:
         """Run the caller's block with a heartbeat, then publish how it ended."""
-        store = self.store
+        store = self._live_store
         if self.local:
             store.set(self.leader_key, str(self.rank))
         store.add(self.beat_key, 1)  # the first beat also says "the main process has arrived"
@@ -213,13 +219,15 @@ class _Section:
     def _publish(self, payload: bytes) -> bool:
         # compare_set, not set: if a waiter already declared this process dead, keep its verdict
         # so that every rank acts on the same status, and tell the caller.
-        return bytes(self.store.compare_set(self.status_key, "", payload)) == payload
+        # torch's stub types the values as str; the binding takes bytes too (a pickled status).
+        status = self._live_store.compare_set(self.status_key, "", payload)  # type: ignore[arg-type]
+        return bytes(status) == payload
 
     # -- the waiting ranks -----------------------------------------------------------------------
 
     def follow(self, timeout_s: float) -> Any:
         """Wait for the main process's status; return its value or raise what it means here."""
-        store = self.store
+        store = self._live_store
         stop = threading.Event()
         watcher = threading.Thread(
             target=_watch,
@@ -251,9 +259,10 @@ class _Section:
     def _leader_rank(self) -> int | None:
         if not self.local:
             return self.first
+        store = self._live_store
         try:
-            if self.store.check([self.leader_key]):
-                return int(self.store.get(self.leader_key))
+            if store.check([self.leader_key]):
+                return int(store.get(self.leader_key))
         except RuntimeError:
             pass
         return None
@@ -261,14 +270,15 @@ class _Section:
     def _cleanup(self, *, keep_status: bool) -> None:
         # The last waiter to read the status removes the section's keys. A "dead" status stays:
         # the main process, if it was only slow, must still find it when it tries to publish.
-        if self.store.add(self.done_key, 1) < self.followers:
+        store = self._live_store
+        if store.add(self.done_key, 1) < self.followers:
             return
         keys = [self.beat_key, self.done_key, self.leader_key]
         if not keep_status:
             keys.append(self.status_key)
         for key in keys:
             with contextlib.suppress(RuntimeError):
-                self.store.delete_key(key)
+                store.delete_key(key)
 
     def _outcome(self, status: tuple[Any, ...], leader_rank: int | None) -> Any:
         who = self.leader_name(leader_rank)
@@ -294,7 +304,7 @@ class _Section:
         leader_rank = self._leader_rank()
         who = self.leader_name(leader_rank)
         try:
-            arrived = self.store.add(self.beat_key, 0) > 0
+            arrived = self._live_store.add(self.beat_key, 0) > 0
         except RuntimeError:
             arrived = False
         state = (

@@ -305,7 +305,7 @@ def detect_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE")
         local_world_size = _slurm_tasks_per_node(per_node, node_rank) if per_node else world_size
         addr = environ.get("MASTER_ADDR")
-        port: int | None = _int(environ, "MASTER_PORT", 0) or None
+        port = _int(environ, "MASTER_PORT", 0) or None
         if world_size > 1:
             if not addr:
                 nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")

@@ -330,9 +330,9 @@ class GPUMonitor:
         if metric == "mem_used_mib":
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             gpu.memory_total_mib = memory.total / _MIB
-            return memory.used / _MIB
+            return float(memory.used / _MIB)
         if metric == "power_w":
-            return pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+            return float(pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # milliwatts
         return float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
 
     def _sample(self) -> None:

@@ -873,7 +873,8 @@ class RankLoggerAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
     def isEnabledFor(self, level: int) -> bool:
         if self.main_process_only and not is_main_process():
             return False
-        return self.logger.isEnabledFor(level)
+        # bool(): self.logger is Any, the adapter being unparameterised (not subscriptable on 3.10).
+        return bool(self.logger.isEnabledFor(level))
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
         env = get_env()
@@ -969,7 +970,10 @@ def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
     release = f"{prefix}/release/{env.rank}"
     if int(store.add(f"{prefix}/count", 1)) == env.world_size:
         ranks = range(env.world_size)
-        store.multi_set([f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * env.world_size)
+        # torch's stub of Store lacks multi_set, which Store has at runtime (C++ binding).
+        store.multi_set(  # type: ignore[attr-defined]
+            [f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * env.world_size
+        )
         store.delete_key(f"{prefix}/count")
     doctor = _doctor(runtime)
     token, errors = doctor.watch_barrier(generation, release) if doctor is not None else (None, [])
@@ -1038,7 +1042,10 @@ def _group_barrier(group: Any, timeout_s: float | None) -> None:
     store = runtime.store
     store.set(f"{prefix}/arrived/{me}", "1")
     if int(store.add(f"{prefix}/count", 1)) == len(ranks):
-        store.multi_set([f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * len(ranks))
+        # torch's stub of Store lacks multi_set, which Store has at runtime (C++ binding).
+        store.multi_set(  # type: ignore[attr-defined]
+            [f"{prefix}/release/{rank}" for rank in ranks], ["ok"] * len(ranks)
+        )
         for key in [f"{prefix}/count", *(f"{prefix}/arrived/{rank}" for rank in ranks)]:
             store.delete_key(key)
     release = f"{prefix}/release/{me}"

@@ -128,7 +128,7 @@ _numpy_saved: tuple[bytes, Any] | None = None
 def _save_numpy(np: Any) -> tuple[Any, bytes | None, int]:
     global _numpy_saved
     get_bit_generator = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25
-    bit_generator = get_bit_generator() if get_bit_generator is not None else None
+    bit_generator: Any = get_bit_generator() if get_bit_generator is not None else None
     if type(bit_generator) is not np.random.MT19937:  # another bit generator: the portable way
         return np.random.get_state(), None, 0
     address = bit_generator.ctypes.state_address

@@ -118,7 +118,7 @@ def _prepare_units(units: list[nn.Module], *, activation_checkpointing: bool, co
         if activation_checkpointing:
             forward = _checkpointed(forward)
         if forward is not unit.forward:
-            unit.forward = forward  # type: ignore[method-assign]
+            unit.forward = forward
 
 
 def _check_sharding_options(

@@ -120,7 +120,7 @@ def build(
     rows = []
     for ranks in groups.values():
         first = answers[ranks[0]]
-        steps = sorted({answers[r].get("step") for r in ranks if answers[r].get("step")})
+        steps: list[str] = sorted({answers[r]["step"] for r in ranks if answers[r].get("step")})
         shown = dict(first)
         shown["step"] = steps[0] if len(steps) == 1 else (", ".join(steps) if steps else None)
         rows.append((f"ranks {ranks}", state_text(first), location_text(shown)))
@@ -154,7 +154,8 @@ def _diagnosis(
         places.setdefault(_group_key(answers[ranks[0]])[1:], []).extend(ranks)
     if places:
         # The largest group of waiting ranks is where the job is; on a tie, the one with rank 0.
-        reference = sorted(max(places.values(), key=lambda ranks: (len(ranks), -min(ranks))))
+        largest = max(places.values(), key=lambda ranks: (len(ranks), -min(ranks)))
+        reference = sorted(largest)
         others = [rank for rank in sorted(answers) if rank not in reference]
         if others:
             verb_others = "is" if len(others) == 1 else "are"

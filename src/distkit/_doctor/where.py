@@ -433,7 +433,8 @@ def group_seqs() -> dict[str, int]:
     seqs: dict[str, int] = {}
     for group, name in pairs:
         try:
-            seqs[str(name)] = int(group._get_sequence_number_for_group())
+            # torch's stub of ProcessGroup lacks this getter; the binding has it.
+            seqs[str(name)] = int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
         except Exception:  # a backend that does not count
             continue
     return seqs

@@ -196,9 +196,9 @@ class RankGroup:
         deadline = time.monotonic() + timeout_s
         while waiting and time.monotonic() < deadline:
             ready = wait_ready(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
-            for conn in ready:
-                rank = next(r for r, c in waiting.items() if c is conn)
-                del waiting[rank]
+            for ready_conn in ready:
+                rank = next(r for r, c in waiting.items() if c is ready_conn)
+                conn = waiting.pop(rank)  # the Connection itself: wait() returns a wider type
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):

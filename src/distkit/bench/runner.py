@@ -462,9 +462,14 @@ def run_benchmark(
             groups[n] = stack.enter_context(
                 RankGroup(n, backend="nccl" if cuda else "gloo", threads=threads, timeout_s=timeout_s)
             )
+
         # Registered last, so it runs first on the way out: every group is asked to stop before
         # any is waited for.
-        stack.callback(lambda: [g.request_stop() for g in groups.values()])
+        def request_stops() -> None:
+            for group in groups.values():
+                group.request_stop()
+
+        stack.callback(request_stops)
         for group in groups.values():
             group.wait_ready()
 

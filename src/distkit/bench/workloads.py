@@ -90,10 +90,13 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         TypeError: The batch has another shape; pass ``compute_loss`` instead.
     """
     if isinstance(batch, torch.Tensor):
-        return model(batch).float().mean()
+        output: torch.Tensor = model(batch)  # nn.Module.__call__ is typed as returning Any
+        return output.float().mean()
     if isinstance(batch, Mapping):
         out = model(**batch)
-        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        loss: torch.Tensor | None = (
+            out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        )
         if loss is None:
             raise TypeError(
                 "the model's output for a mapping batch has no 'loss'; "
@@ -205,7 +208,8 @@ class TextClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.tokens(tokens) + self.positions.weight[: tokens.shape[1]]
-        return self.head(self.encoder(hidden).mean(dim=1))
+        logits: torch.Tensor = self.head(self.encoder(hidden).mean(dim=1))
+        return logits
 
 
 def _transformer() -> Workload:

@@ -60,7 +60,8 @@ def _snapshot_on_main(pending: _Pending, state: Mapping[str, Any]) -> dict[str, 
     try:
         payload = _collect(state)
         _check_loadable(payload)
-        return _to_cpu(payload)
+        on_cpu: dict[str, Any] = _to_cpu(payload)  # the same structure, its tensors copied to CPU
+        return on_cpu
     except BaseException as err:
         pending.error, pending.raised = err, True
         if pending.handshake is not None:

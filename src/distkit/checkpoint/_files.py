@@ -146,7 +146,9 @@ def _write_error(err: OSError, checkpoint: str, where: str, *, untouched: str) -
     Errors without an errno (some object-store clients) are returned as they are.
     """
     code = err.errno
-    name = errno.errorcode.get(code) if isinstance(code, int) else None
+    if not isinstance(code, int):
+        return err
+    name = errno.errorcode.get(code)
     if name is None:
         return err
     hint = _WRITE_HINTS.get(name, "check the storage that holds it")

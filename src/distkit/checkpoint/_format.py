@@ -17,7 +17,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
@@ -183,7 +183,9 @@ def _serialize(payload: Mapping[str, Any], write: Callable[[Any], Any], *, check
     sink = _ChecksumWriter(write, checksum=checksum)
     try:
         with _without_torch_crc():
-            torch.save(dict(payload), sink)
+            # torch annotates the file as a path or IO[bytes]; its docs ask only for write() and
+            # flush(), which the sink has.
+            torch.save(dict(payload), sink)  # type: ignore[arg-type]
         sink.close()
     except Exception:
         if sink.error is not None:
@@ -242,7 +244,7 @@ def _manifest_builder(
     return build
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -397,7 +397,8 @@ def _start_async_sharded(
         check=check,
         snapshot=snapshot,
     )
-    response = dcp.async_save(dcp_state, storage_writer=_writer(save.staging), process_group=group)
+    # A Future, or on newer torch an AsyncSaveResponse that holds the upload's Future.
+    response: Any = dcp.async_save(dcp_state, storage_writer=_writer(save.staging), process_group=group)
     upload: Future[Any] = getattr(response, "upload_completion", response)
 
     def run() -> None:

@@ -196,10 +196,13 @@ def _check_loadable(payload: Mapping[str, Any]) -> None:
 
 
 def _copy_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    # torch leaves UntypedStorage.clone() and .cpu() unannotated: the annotations say what they return.
     if storage.device.type == "cpu":
-        return storage.clone()
+        clone: torch.UntypedStorage = storage.clone()
+        return clone
     if storage.device.type != "cuda":
-        return storage.cpu()
+        on_cpu: torch.UntypedStorage = storage.cpu()
+        return on_cpu
     # Pinned host memory lets the device copies overlap; _to_cpu synchronizes once at the end.
     host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
     host.copy_(storage, non_blocking=True)
@@ -318,7 +321,9 @@ def _load_module(name: str, module: nn.Module, saved: Mapping[str, Any], strict:
 def _saved_by_name(saved: Any) -> bool:
     """Whether an optimizer state dict names its parameters (DCP's form) instead of numbering them."""
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
-    return bool(groups) and any(isinstance(p, str) for group in groups for p in group.get("params", []))
+    if not groups:
+        return False
+    return any(isinstance(p, str) for group in groups for p in group.get("params", []))
 
 
 def _by_name(

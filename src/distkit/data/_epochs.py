@@ -39,7 +39,9 @@ def _collectives_so_far(*, every_group: bool) -> int | None:
             if every_group
             else [dist.distributed_c10d._get_default_group()]
         )
-        return sum(int(group._get_sequence_number_for_group()) for group in groups)
+        # torch's stub of ProcessGroup lacks this getter; the binding has it.
+        counts = [int(group._get_sequence_number_for_group()) for group in groups]  # type: ignore[attr-defined]
+        return sum(counts)
     except Exception:  # a private torch API on a backend that may lack it: then we cannot tell
         return None
 

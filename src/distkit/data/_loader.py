@@ -78,7 +78,7 @@ def _draws_nothing(dataset: Any) -> bool:
     return type(dataset) in (torch.utils.data.TensorDataset, torch.Tensor, list, tuple, range)
 
 
-class _SeededDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class _SeededDataset(torch.utils.data.Dataset[Any]):
     """Fetches and collates one batch on that batch's own random stream.
 
     The inner DataLoader's batch sampler yields ``(stream_seed, indices)``; torch hands that item
@@ -270,7 +270,9 @@ class DistributedLoader:
         self._generator = torch.Generator()
         self.dataloader = DataLoader(
             _SeededDataset(dataset, collate_fn),
-            batch_sampler=self._plan,
+            # torch annotates batch_sampler as yielding lists; it hands any item (here a
+            # (stream_seed, indices) pair) to the dataset's __getitems__ unchanged.
+            batch_sampler=self._plan,  # type: ignore[arg-type]
             num_workers=num_workers,
             collate_fn=_identity,
             pin_memory=pin_memory,

@@ -190,8 +190,9 @@ def profile_dataloader(
     rng_state = capture_rng_state()
     # Positions are put back whole (not through load_state_dict): where the next pass starts, what
     # state_dict() reports, and the count of passes left early all stay as they were.
-    owner = loader if isinstance(loader, DistributedLoader) else getattr(loader, "sampler", None)
-    kept = _keep_position(owner) if isinstance(owner, (DistributedLoader, DistributedSplitSampler)) else None
+    found = loader if isinstance(loader, DistributedLoader) else getattr(loader, "sampler", None)
+    owner = found if isinstance(found, (DistributedLoader, DistributedSplitSampler)) else None
+    kept = _keep_position(owner) if owner is not None else None
     waits: list[float] = []
     copies: list[float] = []
     try:
@@ -211,7 +212,7 @@ def profile_dataloader(
         del iterator
     finally:
         restore_rng_state(rng_state)
-        if kept is not None:
+        if owner is not None and kept is not None:
             _put_back_position(owner, kept)
     if len(waits) < 2:
         raise ValueError(

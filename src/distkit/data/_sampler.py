@@ -34,7 +34,7 @@ __all__: list[str] = []
 # The sampler, for DataLoaders users make
 
 
-class DistributedSplitSampler(DistributedSampler):  # type: ignore[type-arg]
+class DistributedSplitSampler(DistributedSampler[int]):
     """This rank's share of a map-style dataset; made by :func:`distributed_sampler`.
 
     A :class:`torch.utils.data.DistributedSampler` (so tools that look for one find it) with

@@ -9,6 +9,7 @@ manifest) and renamed into place. The other ranks wait for it in a main-first se
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -312,7 +313,7 @@ class _Download:
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 got = _with_retries(
-                    lambda name=name, target=target: self._fetch_member(fs, name, target),
+                    functools.partial(self._fetch_member, fs, name, target),
                     what=f"downloading {self.scrub.url(name)}",
                     scrub=self.scrub,
                 )
@@ -359,7 +360,7 @@ class _Download:
             if base != MANIFEST_NAME:
                 continue
             data = _with_retries(
-                lambda name=name: fs.cat_file(name), what=f"reading {self.scrub.url(name)}", scrub=self.scrub
+                functools.partial(fs.cat_file, name), what=f"reading {self.scrub.url(name)}", scrub=self.scrub
             )
             for file_rel, (size, sha256) in _parse_manifest(data, self.scrub.url(name)).items():
                 key = prefix + file_rel

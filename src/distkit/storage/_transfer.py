@@ -161,7 +161,8 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
     status, reason = answer
     said = f"{_label()} {what}: the server answered HTTP {status} {reason}"
     if status in (404, 410):
-        err.add_note(scrub.text(said))
+        if hasattr(err, "add_note"):  # Python >= 3.11; on 3.10 the error goes on without the note
+            err.add_note(scrub.text(said))
         return None
     if status in (401, 403):
         return PermissionError(

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import errno
+import functools
 import hashlib
 import json
 import mimetypes
@@ -336,7 +337,7 @@ class _Upload:
                 hashing = hasher.submit(_sha256_fd, fd) if hasher is not None else None
                 try:
                     _with_retries(
-                        lambda fd=fd, target=target, item=item: self._put_fd(fd, target, item),
+                        functools.partial(self._put_fd, fd, target, item),
                         what=f"uploading to {self.scrub.url(item.remote)}",
                         scrub=self.scrub,
                     )
@@ -505,7 +506,7 @@ def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: Sc
 
     files: list[_UploadFile] = []
     remote_dirs = [remote_root]
-    problems: list[str] = []
+    problems = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         here = Path(dirpath)
         for name in sorted(dirnames):

@@ -22,7 +22,7 @@ import threading
 import time
 import unittest
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait as wait_ready
 from multiprocessing.context import BaseContext
@@ -499,7 +499,7 @@ class _Group:
             return uneven
         for key in sorted(set().union(*states)):
             # A group is compared among its members; distkit's counters among all ranks.
-            ranks = range(self.world_size)
+            ranks: Sequence[int] = range(self.world_size)
             if key[0] == "group":
                 ranks = [rank for rank in ranks if key in states[rank]]
             advance = {rank: states[rank].get(key, 0) - self._baseline[rank].get(key, 0) for rank in ranks}
@@ -622,8 +622,9 @@ class _Group:
                     "timeout", line="still running at the deadline", text=stacks.get(rank, "")
                 )
         elif pending:
-            assert first_bad is not None and outcomes[first_bad] is not None
+            assert first_bad is not None
             cause = outcomes[first_bad]
+            assert cause is not None
             verb = "skipped" if cause.kind in ("skip", "xfail") else "failed"
             for rank in pending:
                 outcomes[rank] = _Outcome(

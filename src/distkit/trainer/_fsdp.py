@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,13 @@ from distkit.sharding import _broadcast_buffers, _buffer_slots, shard_model
 from distkit.trainer._strategy import _NULL_CONTEXT, Strategy, _tree_to_cpu
 from distkit.trainer.strategies import _Plan
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__: list[str] = []
 
 
-def _dtensor_type() -> type:
+def _dtensor_type() -> type[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return DTensor

@@ -181,7 +181,7 @@ def predict(
     return gathered if order is None else _reordered(gathered, order)
 
 
-class _Indexed(torch.utils.data.Dataset):
+class _Indexed(torch.utils.data.Dataset[tuple[int, Any]]):
     """A map-style dataset whose samples come with their index: ``(index, sample)``."""
 
     def __init__(self, dataset: Any) -> None:

@@ -31,7 +31,8 @@ def run_epoch(trainer: Trainer) -> None:
     trainer._epoch_finished = False
     if not first:  # a resumed epoch keeps the restored sums of its first steps
         trainer._epoch_sum, trainer._epoch_count = 0.0, 0
-    trainer.model.train()  # type: ignore[union-attr]
+    assert trainer.model is not None  # set up by fit() before the first epoch
+    trainer.model.train()
     for cb in trainer._active_callbacks:
         cb.on_train_epoch_start(trainer)
 
@@ -48,9 +49,9 @@ def run_epoch(trainer: Trainer) -> None:
     move = device.type != "cpu"
     accumulate = trainer.accumulate_grad_batches
     strategy = trainer._strategy
-    assert strategy is not None
+    assert strategy is not None and trainer._step_module is not None
     accumulation, poison, params = strategy.accumulation, strategy.poisoned_backward, trainer._params
-    per_device = trainer._step_module.per_device  # type: ignore[union-attr]
+    per_device = trainer._step_module.per_device
     plain = precision.dtype is None and precision.scaler is None
     last_index = trainer._num_batches - 1
     generators = trainer._generators

@@ -35,13 +35,15 @@ _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 def scan_gradients(trainer: Trainer) -> float:
     """The sentinel's stand-in when it got no gradient or some parameters may go unused."""
-    local = trainer._strategy.local  # type: ignore[union-attr]
+    strategy = trainer._strategy
+    assert strategy is not None  # set up by fit() before the first step
+    local = strategy.local
     grads = [local(p.grad) for p in trainer._params if p.grad is not None]
     firsts = [grad.reshape(-1)[0].float() for grad in grads if grad.numel() > 0]
     # Under find_unused_parameters a rank's poison reaches the parameters that rank used; the
     # sum of first elements is nan if any of them is.
     total = torch.stack(firsts).sum() if firsts else torch.zeros((), device=trainer.device)
-    return trainer._strategy.agreed(total)  # type: ignore[union-attr]
+    return strategy.agreed(total)
 
 
 def agree(trainer: Trainer, value: float, micro: int) -> tuple[bool | None, bool]:
@@ -93,8 +95,8 @@ def discard(trainer: Trainer, micro: int, preempt: bool) -> None:
 
 def skip(trainer: Trainer, why: str, ranks: list[int]) -> None:
     """Count a step skipped on every rank; raise after ``max_consecutive_nonfinite`` in a row."""
-    assert trainer.optimizer is not None
-    local = trainer._strategy.local  # type: ignore[union-attr]
+    assert trainer.optimizer is not None and trainer._strategy is not None
+    local = trainer._strategy.local
     for p in trainer._params:
         grad = None if p.grad is None else local(p.grad)
         if grad is not None and grad.numel() and not math.isfinite(grad.reshape(-1)[0].item()):

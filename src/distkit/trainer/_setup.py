@@ -277,6 +277,7 @@ def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
     """
     if trainer.resume == "auto":
         return
+    assert checkpoint.directory is not None  # checkpoint.setup() ran
     resuming = trainer.resume is not None and _is_inside(trainer.resume, checkpoint.directory)
     try:
         checkpoint.manager.claim(resuming=resuming)

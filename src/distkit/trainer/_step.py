@@ -39,7 +39,8 @@ class _StepModule(nn.Module):
 
     def forward(self, batch: Any, batch_idx: int) -> tuple[torch.Tensor, dict[str, Any]]:
         # _modules/_parameters directly: nn.Module.__getattr__ costs a microsecond per lookup.
-        module = self._modules["module"]
+        # Any: the user's module, whose training_step (when it has one) nn.Module's type does not know.
+        module: Any = self._modules["module"]
         extras: dict[str, Any] = _NO_EXTRAS
         convention = self.convention
         if convention == "training_step":
@@ -121,7 +122,8 @@ def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: in
     stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
     precision, optimizer, strategy = trainer._precision, trainer.optimizer, trainer._strategy
     assert precision is not None and optimizer is not None and strategy is not None
-    take_step, stop = True, False
+    take_step: bool | None = True  # None: discarded for a stop request
+    stop = False
     strategy.sync_buffers()  # FSDP: rank 0's buffers, before checkpoints and validation read them
     # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
     grad = None if trainer._scan_all or trainer._sentinel is None else trainer._sentinel.grad
@@ -179,11 +181,10 @@ def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: in
 def _clip_gradients(trainer: Trainer) -> bool:
     """Clip (unscaling first under fp16); False when the gradients' norm is not finite."""
     assert trainer._precision is not None and trainer.optimizer is not None and trainer.model is not None
+    assert trainer._strategy is not None and trainer.gradient_clip_val is not None  # called when clipping
     trainer._precision.unscale(trainer.optimizer)  # fp16: exactly once per optimizer step
     params = [p for p in trainer.model.parameters() if p.grad is not None]
     # The norm is the same on every rank (the gradients are reduced), so every rank decides alike.
-    return trainer._strategy.clip_gradients(  # type: ignore[union-attr]
-        params,
-        trainer.gradient_clip_val,
-        trainer.gradient_clip_algorithm,  # type: ignore[arg-type]
+    return trainer._strategy.clip_gradients(
+        params, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
     )

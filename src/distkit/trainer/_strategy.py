@@ -50,7 +50,7 @@ def compile_forward(module: nn.Module) -> None:
     The compiled forward replaces the method on the instance: no ``OptimizedModule`` wrapper, so
     the parameter names (and the checkpoints) stay free of ``_orig_mod.``.
     """
-    module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+    module.forward = torch.compile(module.forward)
 
 
 class Strategy:

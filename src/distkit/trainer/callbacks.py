@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -178,7 +178,8 @@ class ModelCheckpoint(Callback):
         if dirpath is not None:
             self.dirpath = os.fspath(dirpath) if "://" in os.fspath(dirpath) else Path(dirpath)
         self.monitor = monitor
-        self.mode = mode
+        # Checked above; spelled out as the Literal that CheckpointManager is annotated to take.
+        self.mode: Literal["min", "max"] = "max" if mode == "max" else "min"
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.every_n_epochs = every_n_epochs
@@ -364,6 +365,7 @@ class LearningRateMonitor(Callback):
     """
 
     def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        assert trainer.optimizer is not None  # on_log runs inside fit(), after set-up
         groups = trainer.optimizer.param_groups
         if len(groups) == 1:
             metrics["lr"] = float(groups[0]["lr"])

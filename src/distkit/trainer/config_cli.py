@@ -327,7 +327,7 @@ class TrainerCLI:
         text = _dump(self.parser, config)
         resolved = yaml.safe_load(text) or {}
         resolved.pop("config", None)
-        return resolved  # type: ignore[no-any-return]
+        return resolved
 
     # ------------------------------------------------------------------------------------------
     # Building
@@ -350,7 +350,7 @@ class TrainerCLI:
         self.trainer = Trainer(**_namespace_dict(init.trainer))
         # The Trainer carries it to fit's set-up (and to the processes fit starts): saved as
         # config.yaml, logged as hparams, compared on resume and across ranks.
-        self.trainer.run_config = self.run_config  # type: ignore[attr-defined]
+        self.trainer.run_config = self.run_config
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,10 +385,12 @@ def _instantiate(parser: ArgumentParser, config: Namespace) -> Namespace:
 def _dump(parser: ArgumentParser, config: Namespace) -> str:
     """The configuration as YAML, ``null`` values included (``skip_none`` became ``skip_unset`` in
     jsonargparse 4.49)."""
+    # jsonargparse's renaming decorator hides dump()'s return type: the annotation restores it.
     try:
-        return parser.dump(config, skip_unset=False)
+        text: str = parser.dump(config, skip_unset=False)
     except TypeError:  # jsonargparse < 4.49
-        return parser.dump(config, skip_none=False)
+        text = parser.dump(config, skip_none=False)
+    return text
 
 
 def _class_spec(value: Any, what: str) -> dict[str, Any] | None:

@@ -209,7 +209,8 @@ def launch(nprocs: int, payload: bytes) -> dict[int, Any]:
         # raise it in whatever runs next. They are put back here.
         handlers = {signum: signal.getsignal(signum) for signum in _AGENT_SIGNALS}
         try:
-            return elastic_launch(config, _worker)(payload, errors)
+            results: dict[int, Any] = elastic_launch(config, _worker)(payload, errors)
+            return results
         except ChildFailedError as failure:
             raise _worker_error(failure, errors, nprocs) from None
         finally:
@@ -256,10 +257,10 @@ def _worker_error(failure: Any, errors: str, nprocs: int) -> BaseException:
     note = f"raised in fit()'s worker process rank {first}/{nprocs} ({process}):\n{trace}"
     if others:
         note += "other failing ranks:\n" + "\n".join(others)
-    if not hasattr(error, "add_note"):  # Python 3.10
-        return DistkitError(f"{summary}\n{note.rstrip()}")
-    error.add_note(note.rstrip("\n"))
-    return error
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note.rstrip("\n"))
+        return error
+    return DistkitError(f"{summary}\n{note.rstrip()}")  # Python 3.10
 
 
 def _report_failure(errors: str, err: BaseException) -> None:

@@ -23,7 +23,7 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from distkit import runtime
 from distkit._utils.fs import atomic_open
@@ -301,7 +301,8 @@ class WandbLogger(Logger):
         self.name = name
         self.entity = entity
         self.tags = list(tags or [])
-        self.mode = mode
+        # Checked above; spelled out as the Literal that wandb.init() is annotated to take.
+        self.mode: Literal["offline", "online"] = "online" if mode == "online" else "offline"
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.init_kwargs = dict(init_kwargs or {})
         self.run: Any = None
@@ -632,7 +633,8 @@ def _history_steps(data: bytes, start: int) -> list[int]:
         else:
             pending += chunk
         if kind in (1, 4):  # FULL, LAST: a whole record
-            record = wandb_internal_pb2.Record()
+            # protobuf's generated module makes its classes at import time: invisible to mypy.
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             try:
                 record.ParseFromString(pending)
             except Exception:  # protobuf's DecodeError

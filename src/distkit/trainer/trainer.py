@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,6 +48,12 @@ from distkit.trainer.callbacks import Callback, ModelCheckpoint
 from distkit.trainer.loggers import Logger
 from distkit.trainer.precision import check_precision
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
+
+if TYPE_CHECKING:
+    from distkit.trainer._step import _StepModule
+    from distkit.trainer._strategy import Strategy
+    from distkit.trainer.precision import Precision
+    from distkit.trainer.strategies import _Plan
 
 __all__ = ["Trainer"]
 
@@ -194,6 +200,62 @@ class Trainer:
     current_epoch: int
     skipped_steps: int
     callback_metrics: dict[str, float]
+
+    # What one fit() sets up and uses (none of it configuration), private to the trainer package:
+    # _state.reset_run_state sets each before set-up and says what it is. What only set-up can
+    # give (the plan, the strategy, the modules, the precision) is None until then.
+    _should_stop: bool
+    _plan: _Plan | None
+    _strategy: Strategy | None
+    _model_class: type[nn.Module]
+    _step_module: _StepModule | None
+    _wrapped: nn.Module | None
+    _precision: Precision | None
+    # The loader fit() was given (any object a loop can iterate) or the DistributedLoader it made;
+    # None before set-up, and _val_loader without validation data.
+    _train_loader: Any
+    _val_loader: Any
+    _loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    _metric_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]]
+    _scheduler_interval: str
+    # The callbacks of this fit() (a progress bar included), and those overriding on_train_step_end.
+    _active_callbacks: list[Callback]
+    _step_end_callbacks: list[Callback]
+    # Batches per epoch on this rank, samples per loader batch, data-parallel replicas.
+    _num_batches: int
+    _per_replica_batch: int
+    _replicas: int
+    # Position inside the epoch.
+    _batches_done: int
+    _epoch_finished: bool
+    # Stop requests and the run of consecutive non-finite steps.
+    _request_stop: bool
+    _preempt_requested: bool
+    _job_preempt: bool
+    _preempted: bool
+    _nonfinite_run: list[int]
+    # What a poisoned backward pass turns to nan, and what is read to see it.
+    _params: list[nn.Parameter]
+    _sentinel: nn.Parameter | None
+    _sentinel_is_vector: bool
+    _scan_all: bool
+    # The generators a forward pass draws from, their states at the step's start, and the batches
+    # a discarded step gave back.
+    _generators: list[torch.Generator]
+    _states_at_step: list[torch.Tensor]
+    _given_back: int
+    # This rank's partial sums of what is logged next, and what a discarded step gives back.
+    _window_sum: float
+    _window_count: int
+    _epoch_sum: float
+    _epoch_count: int
+    _extra_sums: dict[str, torch.Tensor | float]
+    _extra_count: int
+    _extras_at_step: tuple[int, dict[str, torch.Tensor | float], int] | None
+    _log_pending: bool
+    # The latest validation (step, metrics), and what puts the hang doctor's settings back.
+    _last_validation: tuple[int, dict[str, float]]
+    _restore_hang: Callable[[], None] | None
 
     def __init__(
         self,
