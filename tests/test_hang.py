@@ -4,6 +4,7 @@ at once; the known bounded waits (a taken MASTER_PORT, a rank that left, an inva
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -598,3 +599,54 @@ def test_the_doctors_tables_name_functions_where_they_are_defined() -> None:
         )
     for module_name in _hang_where._TRAINER_PASSTHROUGH:
         importlib.import_module(module_name)
+
+
+class NanLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * math.nan
+
+
+def fit_that_raises_and_is_caught(tmp: str) -> str:
+    trainer = distkit.Trainer(
+        strategy="ddp",
+        max_steps=5,
+        batch_size=4,
+        max_consecutive_nonfinite=1,  # every rank raises at the first (agreed) non-finite step
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp,
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    try:
+        trainer.fit(
+            NanLoss(),
+            data,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    except distkit.DistkitError as err:
+        return type(err).__name__
+    return "no error"
+
+
+def late_rank_0_barrier() -> str:
+    if distkit.get_rank() == 0:
+        time.sleep(3.0)  # rank 1 waits and asks where rank 0 is meanwhile
+    try:
+        distkit.barrier(timeout_s=60)
+    except distkit.CollectiveMismatchError as err:
+        return str(err)
+    return "passed"
+
+
+def test_a_rank_that_caught_what_fit_raised_is_waited_for_not_named_the_cause(ranks, tmp_path) -> None:
+    # fit() tells the other ranks "I raised" before it re-raises (so that their failures name it).
+    # A caller that catches the error and goes on must not stay recorded as ending: a later
+    # collective would fail at once, naming a cause that no longer exists.
+    assert ranks.run(fit_that_raises_and_is_caught, str(tmp_path)) == ["DistkitError", "DistkitError"]
+    assert ranks.run(late_rank_0_barrier) == ["passed", "passed"]

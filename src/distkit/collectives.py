@@ -146,6 +146,7 @@ def _wait(work: Any, what: str) -> None:
     if doctor is None:  # no store to ask through: a plain wait, bounded by the group's timeout
         _finish(work, None, what)
         return
+    doctor.carry_on()
     start = time.monotonic() - _hang.FIRST_CHECK_S
     try:
         while True:

@@ -976,6 +976,8 @@ def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
         )
         store.delete_key(f"{prefix}/count")
     doctor = _doctor(runtime)
+    if doctor is not None:
+        doctor.carry_on()
     token, errors = doctor.watch_barrier(generation, release) if doctor is not None else (None, [])
     start = time.monotonic()
     try:
@@ -1095,6 +1097,7 @@ def _watch_fit(trainer: Any, hang_timeout_s: float | str | None, run_dir: Any) -
     doctor = _doctor()
     if doctor is None:
         return lambda: None
+    doctor.carry_on()  # a fit after a fit that raised (and was caught) on this rank
     if hang_timeout_s == "auto":
         asked = _runtime.hang_timeout_s if _runtime is not None else None
         timeout = asked if asked is not None else _hang.timeout_for_trainer("auto")

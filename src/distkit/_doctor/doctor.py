@@ -948,6 +948,21 @@ class Doctor:
         callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_elastic_error(f"{self.label} {exception_note(exc)}", callstack, int(answer["time"]))
 
+    def carry_on(self) -> None:
+        """This rank goes on after an exception it recorded as ending it (the caller caught what
+        ``fit`` raised): take the record back, so that the other ranks wait for this rank again
+        instead of naming it the cause of their failure. Local (one store delete, only then).
+
+        Called where a rank shows it went on: a distkit collective or barrier, the next ``fit``,
+        the next task of a ``distkit.testing`` rank.
+        """
+        if self._raised is None or self._ending:
+            return
+        self._raised = None
+        self._local_answer = None
+        with contextlib.suppress(Exception):
+            self.store.delete_key(_key("raised", self.rank))
+
     def _excepthook(
         self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:

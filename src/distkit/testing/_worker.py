@@ -232,6 +232,10 @@ def _with_state(message: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _run_task(sys_path: list[str], payload: bytes) -> tuple[Any, ...]:
+    doctor = runtime._doctor()
+    if doctor is not None:
+        # An earlier task may have caught what a fit raised on this rank: the rank went on.
+        doctor.carry_on()
     if sys.path != sys_path:
         # The parent's sys.path holds pytest's rootdir entries; without them the test module that
         # defines fn cannot be imported here. New directories need fresh finder caches.
