@@ -14,6 +14,7 @@ from distkit.trainer.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ThroughputMonitor,
+    TrainerView,
 )
 from distkit.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from distkit.trainer.metrics import accuracy
@@ -37,6 +38,7 @@ __all__ = [
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Trainer",
+    "TrainerView",
     "WandbLogger",
     "accuracy",
     "warmup_schedule",

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -29,7 +29,83 @@ __all__ = [
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ThroughputMonitor",
+    "TrainerView",
 ]
+
+
+class TrainerView(Protocol):
+    """What a callback may read of the :class:`~distkit.Trainer`, and the one thing it may set.
+
+    The hooks of :class:`Callback` receive the Trainer itself; this protocol is the contract: every
+    built-in callback, logger and progress display of distkit uses only these members (a type
+    checker holds them to it), so a callback of yours can do whatever ours do. Everything is
+    read-only but ``should_stop``; the Trainer's attributes with a leading underscore are not part
+    of it and change without notice.
+
+    Example:
+        >>> class PrintBest(Callback):
+        ...     def on_train_step_end(self, trainer: TrainerView, loss):
+        ...         if trainer.last_validation_step == trainer.global_step:
+        ...             print(trainer.last_validation_metrics)
+    """
+
+    # Set to True to stop every rank after the current optimizer step (agreed through the step).
+    should_stop: bool
+
+    @property
+    def global_step(self) -> int: ...  # optimizer steps taken or skipped so far
+    @property
+    def current_epoch(self) -> int: ...  # the epoch being trained, 0-based
+    @property
+    def skipped_steps(self) -> int: ...  # steps skipped for a non-finite loss on some rank
+    @property
+    def callback_metrics(self) -> dict[str, float]: ...  # the latest logged metrics, reduced
+    @property
+    def batches_in_epoch(self) -> int: ...  # this rank's batches of the current epoch so far
+    @property
+    def running_loss(self) -> float | None: ...  # this rank's mean loss since the last logging step
+    @property
+    def last_validation_step(self) -> int | None: ...
+    @property
+    def last_validation_metrics(self) -> dict[str, float]: ...
+    @property
+    def log_pending(self) -> bool: ...  # an on_log call for this step follows the step-end hooks
+    @property
+    def is_main_process(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def num_training_batches(self) -> int: ...
+    @property
+    def steps_per_epoch(self) -> int: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def effective_batch_size(self) -> int: ...
+    @property
+    def accumulate_grad_batches(self) -> int: ...
+    @property
+    def log_every_n_steps(self) -> int: ...
+    @property
+    def check_val_every_n_epoch(self) -> int | None: ...
+    @property
+    def max_epochs(self) -> int | None: ...
+    @property
+    def max_steps(self) -> int | None: ...
+    @property
+    def default_root_dir(self) -> Path: ...
+    @property
+    def callbacks(self) -> list[Callback]: ...
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def device(self) -> torch.device | None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint of the run holds (model, optimizer, progress, callbacks' state). Collective."""
+        ...
 
 
 class Callback:
@@ -200,7 +276,7 @@ class ModelCheckpoint(Callback):
         state["manager"] = None
         return state
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, trainer: TrainerView) -> None:
         """Make the manager (called by the Trainer before it restores a checkpoint). Local."""
         from distkit.checkpoint import CheckpointManager
 
@@ -215,7 +291,7 @@ class ModelCheckpoint(Callback):
             overwrite=self.overwrite,
         )
 
-    def save(self, trainer: Trainer, metrics: Mapping[str, float] | None = None) -> None:
+    def save(self, trainer: TrainerView, metrics: Mapping[str, float] | None = None) -> None:
         """Save a checkpoint at ``trainer.global_step`` (once per step). Collective: every rank."""
         if trainer.global_step == self._last_saved_step:
             return
@@ -223,12 +299,12 @@ class ModelCheckpoint(Callback):
         self.manager.save(trainer.global_step, trainer.checkpoint_state(), metrics=metrics)
         self._last_save_time = time.monotonic()
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         # A resumed run starts at the restored checkpoint's step: no need to write it again.
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
 
-    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         step = trainer.global_step
         # By time only at logging steps, and not at a step saved anyway: the same steps on every rank.
         if (self.every_n_steps and step % self.every_n_steps == 0) or (
@@ -236,8 +312,8 @@ class ModelCheckpoint(Callback):
         ):
             # Ranked for keep_best only when validation ran at this very step (val_check_interval
             # validates before the step-end callbacks); older metrics describe an older model.
-            validated_at, metrics = trainer._last_validation
-            self.save(trainer, self._monitored(metrics) if validated_at == step else None)
+            validated_now = trainer.last_validation_step == step
+            self.save(trainer, self._monitored(trainer.last_validation_metrics) if validated_now else None)
 
     def _time_is_due(self) -> bool:
         """Whether ``every_n_minutes`` have passed on the main process's clock. Collective: one
@@ -247,11 +323,11 @@ class ModelCheckpoint(Callback):
         due = runtime.is_main_process() and time.monotonic() - self._last_save_time >= interval_s
         return any_rank(due)
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer, self._monitored(metrics))
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         self.manager.close()  # waits for a save in flight, then lets go of the directory
 
     def _monitored(self, metrics: Mapping[str, float]) -> dict[str, float] | None:
@@ -305,11 +381,11 @@ class EarlyStopping(Callback):
         self.wait = 0
         self.stopped_epoch: int | None = None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.global_step == 0:  # a resumed run keeps the restored counters
             self.best, self.wait, self.stopped_epoch = None, 0, None
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.monitor not in metrics:
             every = trainer.check_val_every_n_epoch
             if every is None or (trainer.current_epoch + 1) % every:
@@ -335,7 +411,7 @@ class EarlyStopping(Callback):
         if self.wait >= self.patience:
             self._stop(trainer)
 
-    def _stop(self, trainer: Trainer) -> None:
+    def _stop(self, trainer: TrainerView) -> None:
         self.stopped_epoch = trainer.current_epoch
         trainer.should_stop = True
         runtime.get_logger("distkit.trainer", main_process_only=True).info(
@@ -364,7 +440,7 @@ class LearningRateMonitor(Callback):
         >>> trainer = distkit.Trainer(callbacks=[LearningRateMonitor()], max_epochs=1)
     """
 
-    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         assert trainer.optimizer is not None  # on_log runs inside fit(), after set-up
         groups = trainer.optimizer.param_groups
         if len(groups) == 1:
@@ -391,13 +467,13 @@ class ThroughputMonitor(Callback):
         self._start = 0.0
         self._steps = 0
 
-    def on_train_epoch_start(self, trainer: Trainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView) -> None:
         self._start, self._steps = time.perf_counter(), 0
 
-    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         self._steps += 1
 
-    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
         elapsed = now - self._start
         if self._steps and elapsed > 0:

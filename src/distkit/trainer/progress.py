@@ -8,14 +8,11 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import torch
 
-from distkit.trainer.callbacks import Callback
-
-if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+from distkit.trainer.callbacks import Callback, TrainerView
 
 __all__ = ["ProgressLog"]
 
@@ -116,7 +113,7 @@ class ProgressLog(Callback):
             state["stream"] = sys.stdout
         self.__dict__.update(state)
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         self._reset()
         self._main = trainer.is_main_process
         if not self._main:
@@ -130,64 +127,64 @@ class ProgressLog(Callback):
         if self.interval_s is not None:
             self._next_time = now + self.interval_s
 
-    def on_train_epoch_start(self, trainer: Trainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView) -> None:
         if self._main:  # samples/s of training only, not of the validation before this epoch
             self._rate_time, self._rate_step = time.monotonic(), trainer.global_step
 
-    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         # Every step, on every rank: keep it to a comparison (and a clock read on the main process).
         if trainer.global_step < self._next_step and (not self._main or time.monotonic() < self._next_time):
             return
         step = trainer.global_step
         if self.every_n_steps is not None:
             self._next_step = (step // self.every_n_steps + 1) * self.every_n_steps
-        if trainer._log_pending:
+        if trainer.log_pending:
             # A logging step whose reduction comes after the step-end callbacks: print with it.
             self._waiting_step = step
             return
         self._print_step(trainer)
 
-    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if not self._main:
             return
         self._logged_step, self._logged_loss = trainer.global_step, metrics.get("train_loss", math.nan)
         if self._waiting_step == trainer.global_step:
             self._print_step(trainer)
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         # At an epoch's end the epoch line carries these metrics (they come with train_loss_epoch).
         if self._main and "train_loss_epoch" not in metrics:
             parts = ["validation", *self._position(trainer), *_metric_parts(metrics)]
             self._write(trainer, parts, time.monotonic())
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self._main:
             total = trainer.total_steps
             step = f"step {trainer.global_step}" + (f"/{total}" if total else "")
             parts = [f"epoch {trainer.current_epoch} end", step, *_metric_parts(metrics)]
             self._write(trainer, parts, time.monotonic())
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         if self._main:
             now = time.monotonic()
             self._emit(f"fit ended at step {trainer.global_step} after {_duration(now - self._start_time)}")
 
-    def _position(self, trainer: Trainer) -> list[str]:
+    def _position(self, trainer: TrainerView) -> list[str]:
         total = trainer.total_steps
         return [
             f"step {trainer.global_step}" + (f"/{total}" if total else ""),
             f"epoch {trainer.current_epoch}",
         ]
 
-    def _print_step(self, trainer: Trainer) -> None:
+    def _print_step(self, trainer: TrainerView) -> None:
         now = time.monotonic()
         step = trainer.global_step
         self._waiting_step = -1
         if self._logged_step == step:
             loss = f"loss {self._logged_loss:.4f}"
-        elif trainer._window_count:
+        elif trainer.running_loss is not None:
             where = " (rank 0)" if trainer.world_size > 1 else ""
-            loss = f"loss {trainer._window_sum / trainer._window_count:.4f}{where}"
+            loss = f"loss {trainer.running_loss:.4f}{where}"
         else:
             loss = "loss n/a"  # every step since the last logging step was skipped (non-finite)
         parts = [*self._position(trainer), loss]
@@ -199,7 +196,7 @@ class ProgressLog(Callback):
             self._next_time = now + self.interval_s
         self._write(trainer, parts, now)
 
-    def _write(self, trainer: Trainer, parts: list[str], now: float) -> None:
+    def _write(self, trainer: TrainerView, parts: list[str], now: float) -> None:
         parts.append(f"elapsed {_duration(now - self._start_time)}")
         total, done = trainer.total_steps, trainer.global_step - self._start_step
         if total and done > 0 and trainer.global_step < total:
@@ -231,10 +228,10 @@ class _ProgressBar(Callback):
     def __init__(self) -> None:
         self._bar: Any = None
 
-    def on_train_epoch_start(self, trainer: Trainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView) -> None:
         from tqdm.auto import tqdm
 
-        done = -(-trainer._batches_done // trainer.accumulate_grad_batches)
+        done = -(-trainer.batches_in_epoch // trainer.accumulate_grad_batches)
         self._bar = tqdm(
             total=trainer.steps_per_epoch,
             initial=done,
@@ -243,17 +240,17 @@ class _ProgressBar(Callback):
             dynamic_ncols=True,
         )
 
-    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         self._bar.update(1)
 
-    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         self._show(metrics)
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         self._show(metrics)
         self.close()
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         self.close()
 
     def _show(self, metrics: Mapping[str, float]) -> None:

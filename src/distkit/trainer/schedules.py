@@ -137,12 +137,12 @@ def lr_factor(trainer: Trainer) -> float:
     if trainer.scale_lr is None:
         return 1.0
     assert trainer.base_batch_size is not None  # checked at construction
+    # The effective batch is per-replica batch x replicas x accumulation, as scale_lr multiplies them.
     return _scale_lr(
         1.0,
         base_batch_size=trainer.base_batch_size,
-        batch_size=trainer._per_replica_batch,
-        world_size=trainer._replicas,
-        accumulation=trainer.accumulate_grad_batches,
+        batch_size=trainer.effective_batch_size,
+        world_size=1,
         rule=trainer.scale_lr,  # type: ignore[arg-type]
     )
 

@@ -44,7 +44,7 @@ from distkit.trainer import (
     strategies,
 )
 from distkit.trainer._preemption import _Preempted
-from distkit.trainer.callbacks import Callback, ModelCheckpoint
+from distkit.trainer.callbacks import Callback, ModelCheckpoint, TrainerView
 from distkit.trainer.loggers import Logger
 from distkit.trainer.precision import check_precision
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
@@ -141,6 +141,9 @@ class Trainer:
         should_stop: Set to ``True`` (e.g. from a callback) to stop every rank after this step.
         callback_metrics: The latest logged metrics, reduced across ranks.
         skipped_steps: Steps skipped because a loss was non-finite on some rank.
+        batches_in_epoch, running_loss, last_validation_step, last_validation_metrics,
+            log_pending: read-only views of the loop for callbacks (see
+            :class:`distkit.trainer.TrainerView`, the whole list of what a callback may read and set).
         run_config: The resolved configuration of a :class:`distkit.TrainerCLI` run: saved as
             ``<default_root_dir>/config.yaml`` by the main process, logged as the hyperparameters,
             compared across ranks and on resume; ``None`` for a Trainer built in Python.
@@ -410,6 +413,39 @@ class Trainer:
         """Samples per optimizer step in the job: batch x replicas (ranks; GPUs under DP) x accumulation."""
         return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
 
+    @property
+    def batches_in_epoch(self) -> int:
+        """Batches (micro-batches under accumulation) of the current epoch this rank has consumed,
+        the restored ones of a resumed run included; 0 at an epoch's start. Local."""
+        return self._batches_done
+
+    @property
+    def running_loss(self) -> float | None:
+        """This rank's mean training loss over the optimizer steps taken since the last logging
+        step (not reduced across ranks: the logged ``train_loss`` is); ``None`` before the first
+        step after a logging step, or when every step since was skipped. Local."""
+        return self._window_sum / self._window_count if self._window_count else None
+
+    @property
+    def last_validation_step(self) -> int | None:
+        """The ``global_step`` at which validation last ran in this ``fit`` (``None`` before it)."""
+        step = self._last_validation[0]
+        return None if step < 0 else step
+
+    @property
+    def last_validation_metrics(self) -> dict[str, float]:
+        """The metrics of the last validation of this ``fit``, reduced across ranks (a copy; empty
+        before it). Compare :attr:`last_validation_step` with :attr:`global_step` to tell whether
+        they describe the model as it is now."""
+        return dict(self._last_validation[1])
+
+    @property
+    def log_pending(self) -> bool:
+        """True in the step-end callbacks of a logging step whose metrics are not logged yet: an
+        ``on_log`` call for this step follows them (a checkpoint saved in a step-end callback logs
+        them first, and this turns False)."""
+        return self._log_pending
+
     # ------------------------------------------------------------------------------------------
     # fit
 
@@ -660,3 +696,10 @@ class Trainer:
         if self.max_steps is not None and self.global_step >= self.max_steps:
             return True
         return self.max_epochs is not None and self.current_epoch >= self.max_epochs
+
+
+if TYPE_CHECKING:
+
+    def _keeps_the_callback_contract(trainer: Trainer) -> TrainerView:
+        # mypy checks here that the Trainer has every member TrainerView promises callbacks.
+        return trainer
