@@ -46,18 +46,18 @@ LAYERS: list[tuple[str, ...]] = [
 # shrink: a module that stops importing the Trainer must leave it, a new one may not join it.
 IMPORTS_TRAINER = {
     "distkit.trainer",  # the facade re-exports it
-    "distkit.trainer.config_cli",  # builds one from a config (allowed for good)
-    "distkit.trainer._evaluate",
-    "distkit.trainer._inference",
-    "distkit.trainer._logs",
-    "distkit.trainer._loop",
-    "distkit.trainer._nonfinite",
-    "distkit.trainer._preemption",
-    "distkit.trainer._report",
-    "distkit.trainer._run_config",
-    "distkit.trainer._setup",
-    "distkit.trainer._state",
-    "distkit.trainer._step",
+    "distkit.trainer.config.cli",  # builds one from a config (allowed for good)
+    "distkit.trainer._loop.evaluate",
+    "distkit.trainer._loop.inference",
+    "distkit.trainer._loop.logs",
+    "distkit.trainer._loop.epoch",
+    "distkit.trainer._loop.nonfinite",
+    "distkit.trainer._loop.preemption",
+    "distkit.trainer._loop.report",
+    "distkit.trainer.config.run_config",
+    "distkit.trainer._loop.setup",
+    "distkit.trainer._loop.state",
+    "distkit.trainer._loop.step",
     "distkit.trainer.callbacks",
     "distkit.trainer.launch",
     "distkit.trainer.schedules",
@@ -174,8 +174,8 @@ def test_the_import_reader_sees_every_kind_of_import() -> None:
     # The rules below are only as good as the reader: it must see module-level, lazy and
     # TYPE_CHECKING imports, absolute and relative, of modules known to have them.
     seen = {(imp.source, imp.target, imp.kind) for imp in IMPORTS}
-    assert ("distkit.trainer._setup", "distkit.runtime", "module") in seen
-    assert ("distkit.trainer._setup", "distkit.trainer.trainer", "typing") in seen
+    assert ("distkit.trainer._loop.setup", "distkit.runtime", "module") in seen
+    assert ("distkit.trainer._loop.setup", "distkit.trainer.trainer", "typing") in seen
     assert ("distkit.trainer.callbacks", "distkit.checkpoint", "lazy") in seen
     assert len(MODULES) > 70
 

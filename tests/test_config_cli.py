@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 
 import distkit
 from distkit.errors import DistkitError
-from distkit.trainer import Trainer, _run_config
+from distkit.trainer import Trainer
+from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.config_cli import TrainerCLI
 
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import distkit
-import distkit.trainer._evaluate as evaluate_module
-import distkit.trainer._loop as loop_module
+import distkit.trainer._loop.epoch as loop_module
+import distkit.trainer._loop.evaluate as evaluate_module
 import distkit.trainer.trainer as trainer_module
 import hang_scenarios as scenarios
 from distkit import HANG_EXIT_CODE, PEER_FAILED_EXIT_CODE
@@ -64,7 +64,8 @@ def _at(marker: str) -> str:
 
 
 def _trainer_at(text: str, *, after: str = "", module: Any = trainer_module) -> str:
-    return f"distkit/trainer/{Path(module.__file__).name}:{_line_in(module.__file__, text, after=after)}"
+    shown = Path(module.__file__).relative_to(Path(distkit.__file__).parent).as_posix()
+    return f"distkit/{shown}:{_line_in(module.__file__, text, after=after)}"
 
 
 def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], str, str]]:

@@ -42,11 +42,12 @@ from distkit.seeding import (
     capture_rng_state,
     restore_rng_state,
 )
-from distkit.trainer import _setup, strategies
-from distkit.trainer._preemption import _Preempted
-from distkit.trainer._state import _CallbackStates
-from distkit.trainer._strategy import _tree_to_cpu
+from distkit.trainer import strategies
+from distkit.trainer._loop import setup as _setup
+from distkit.trainer._loop.preemption import _Preempted
+from distkit.trainer._loop.state import _CallbackStates
 from distkit.trainer.strategies import LOCAL_RUN_PREFIX
+from distkit.trainer.strategies._base import _tree_to_cpu
 
 if TYPE_CHECKING:
     from torch import nn

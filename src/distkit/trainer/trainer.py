@@ -13,11 +13,11 @@ One optimizer step, in every strategy::
     if it is finite: unscale once, clip, step, schedule; else agree why, then skip or stop
 
 The loop never asks which wrapper it holds: what differs between strategies sits behind
-:class:`distkit.trainer._strategy.Strategy`. How a bad step or a stop request reaches every rank
-is told in :mod:`distkit.trainer._nonfinite`. The epoch's loop is :mod:`distkit.trainer._loop`, the
-optimizer step :func:`distkit.trainer._step.optimizer_step`, set-up :mod:`distkit.trainer._setup`, the
-metric sums between logging steps :mod:`distkit.trainer._logs`, validation
-:mod:`distkit.trainer._evaluate`, and ``validate``/``test``/``predict`` :mod:`distkit.trainer._inference`.
+:class:`distkit.trainer.strategies._base.Strategy`. The loop itself is free functions in
+:mod:`distkit.trainer._loop`: the epoch (``epoch``), the optimizer step (``step.optimizer_step``),
+how a bad step or a stop request reaches every rank (``nonfinite``), set-up (``setup``), the metric
+sums between logging steps (``logs``), validation (``evaluate``) and ``validate``/``test``/``predict``
+(``inference``).
 """
 
 from __future__ import annotations
@@ -32,28 +32,27 @@ from torch import nn
 
 from distkit import runtime
 from distkit._doctor.doctor import check_timeout
-from distkit.trainer import (
-    _inference,
-    _logs,
-    _loop,
-    _model_io,
-    _preemption,
-    _setup,
-    _state,
-    launch,
-    strategies,
+from distkit.trainer import launch, strategies
+from distkit.trainer._loop import (
+    epoch as _loop,
+    inference as _inference,
+    logs as _logs,
+    model_io as _model_io,
+    preemption as _preemption,
+    setup as _setup,
+    state as _state,
 )
-from distkit.trainer._preemption import _Preempted
+from distkit.trainer._loop.preemption import _Preempted
 from distkit.trainer.callbacks import Callback, ModelCheckpoint, TrainerView
 from distkit.trainer.loggers import Logger
 from distkit.trainer.precision import check_precision
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
 if TYPE_CHECKING:
-    from distkit.trainer._step import _StepModule
-    from distkit.trainer._strategy import Strategy
+    from distkit.trainer._loop.step import _StepModule
     from distkit.trainer.precision import Precision
     from distkit.trainer.strategies import _Plan
+    from distkit.trainer.strategies._base import Strategy
 
 __all__ = ["Trainer"]
 

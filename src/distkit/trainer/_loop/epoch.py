@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distkit.trainer import _evaluate, _logs
-from distkit.trainer._batches import to_device
-from distkit.trainer._step import _mean_over_devices, optimizer_step
+from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
+from distkit.trainer._loop.batches import to_device
+from distkit.trainer._loop.step import _mean_over_devices, optimizer_step
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer

@@ -16,7 +16,7 @@ from torch import nn
 from distkit import runtime
 from distkit.checkpoint import ResumeState
 from distkit.collectives import all_gather_object
-from distkit.trainer import _logs
+from distkit.trainer._loop import logs as _logs
 from distkit.trainer.callbacks import Callback
 
 if TYPE_CHECKING:

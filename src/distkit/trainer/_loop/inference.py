@@ -21,8 +21,9 @@ from distkit import runtime
 from distkit.checkpoint import load_checkpoint
 from distkit.collectives import all_gather_object, reduce_metrics
 from distkit.data import gather_for_metrics
-from distkit.trainer import _evaluate, _model_io, _setup, launch, strategies
-from distkit.trainer._batches import to_device
+from distkit.trainer import launch, strategies
+from distkit.trainer._loop import evaluate as _evaluate, model_io as _model_io, setup as _setup
+from distkit.trainer._loop.batches import to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:

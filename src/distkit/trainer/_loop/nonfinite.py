@@ -2,7 +2,7 @@
 
 Ranks agree without a collective of their own. A rank whose loss is not finite, or that must stop
 (SIGTERM, ``should_stop``), poisons its backward pass (the strategy's
-:meth:`~distkit.trainer._strategy.Strategy.poisoned_backward`: a one-off gradient hook on every
+:meth:`~distkit.trainer.strategies._base.Strategy.poisoned_backward`: a one-off gradient hook on every
 parameter under DDP, a nan-scaled loss under FSDP) so that its gradients turn to nan before they
 are reduced. The reduction carries the nan to every rank, so every rank sees the sentinel go
 non-finite after the same backward, and only then do the ranks exchange one small message

@@ -1,6 +1,6 @@
 """What the loop calls once per micro-batch and once per optimizer step: the step module (the model
 and its loss, which the strategy wraps) and the optimizer step with its clipping, skip and stop
-decisions. The small readers of batches live in :mod:`distkit.trainer._batches`."""
+decisions. The small readers of batches live in :mod:`distkit.trainer._loop.batches`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit.trainer import _evaluate, _logs, _model_io, _nonfinite, _preemption
+from distkit.trainer._loop import (
+    evaluate as _evaluate,
+    logs as _logs,
+    model_io as _model_io,
+    nonfinite as _nonfinite,
+    preemption as _preemption,
+)
 
 if TYPE_CHECKING:
     from distkit.trainer.trainer import Trainer
@@ -24,7 +30,7 @@ _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 class _StepModule(nn.Module):
     """What the strategy wraps: the user's module and its loss (``training_step``, ``loss_fn``, or
-    the model's own loss: :mod:`distkit.trainer._model_io`)."""
+    the model's own loss: :mod:`distkit.trainer._loop.model_io`)."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, *, per_device: bool):
         super().__init__()

@@ -18,19 +18,21 @@ from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
-from distkit.trainer import _report, _run_config, schedules
-from distkit.trainer._fsdp import FSDPStrategyRunner
-from distkit.trainer._state import (
+from distkit.trainer import schedules
+from distkit.trainer._loop import report as _report
+from distkit.trainer._loop.state import (
     _is_inside,
     _rebind,
     _track_optimizer_steps,
 )
-from distkit.trainer._step import _StepModule
-from distkit.trainer._strategy import DataParallelStrategy, DDPStrategyRunner, Strategy
+from distkit.trainer._loop.step import _StepModule
 from distkit.trainer.callbacks import Callback, ModelCheckpoint
+from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger
 from distkit.trainer.precision import Precision
 from distkit.trainer.progress import _default_progress, _ProgressBar
+from distkit.trainer.strategies._base import DataParallelStrategy, DDPStrategyRunner, Strategy
+from distkit.trainer.strategies._fsdp import FSDPStrategyRunner
 
 if TYPE_CHECKING:
     from distkit.trainer import strategies

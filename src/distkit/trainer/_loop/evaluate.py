@@ -13,8 +13,8 @@ from torch import nn
 from distkit import runtime
 from distkit.collectives import all_reduce, any_rank, reduce_metrics
 from distkit.errors import DistkitError
-from distkit.trainer import _logs, _model_io
-from distkit.trainer._batches import batch_size, metric_value, to_device
+from distkit.trainer._loop import logs as _logs, model_io as _model_io
+from distkit.trainer._loop.batches import batch_size, metric_value, to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:

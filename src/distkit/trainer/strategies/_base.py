@@ -2,7 +2,7 @@
 
 The loop in :mod:`distkit.trainer.trainer` never asks which wrapper it holds: it calls one small
 interface, :class:`Strategy`, which the strategy objects fill in (this module for one device,
-``nn.DataParallel`` and DDP; :mod:`distkit.trainer._fsdp` for FSDP). A new strategy is one new
+``nn.DataParallel`` and DDP; :mod:`distkit.trainer.strategies._fsdp` for FSDP). A new strategy is one new
 subclass, not a new branch in the loop.
 
 The interface, in the order ``fit`` uses it:

@@ -35,8 +35,8 @@ from torch import nn
 
 from distkit import runtime
 from distkit.sharding import _broadcast_buffers, _buffer_slots, shard_model
-from distkit.trainer._strategy import _NULL_CONTEXT, Strategy, _tree_to_cpu
 from distkit.trainer.strategies import _Plan
+from distkit.trainer.strategies._base import _NULL_CONTEXT, Strategy, _tree_to_cpu
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -11,7 +11,8 @@ from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.data import DistributedLoader
 from distkit.data._split import _per_rank_samples
-from distkit.trainer import _run_config, schedules
+from distkit.trainer import schedules
+from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """SIGTERM during ``fit``: the signal becomes a flag that the next backward pass tells every rank
-(see :mod:`distkit.trainer._nonfinite`); ``fit`` then saves a checkpoint and exits with code 0."""
+(see :mod:`distkit.trainer._loop.nonfinite`); ``fit`` then saves a checkpoint and exits with code 0."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ The strategy is resolved once per :meth:`distkit.Trainer.fit` from the ``strateg
 the user gave and from the job this process is in (a launcher's variables, or none). The result,
 a :class:`_Plan`, says how many processes run, which device each uses, and whether ``fit`` must
 start the processes itself. What the loop does differently per strategy lives in the strategy
-objects of :mod:`distkit.trainer._strategy` (single, DP, DDP) and :mod:`distkit.trainer._fsdp`.
+objects of this package's private modules: ``_base`` (the interface, single, DP, DDP) and
+``_fsdp``.
 """
 
 from __future__ import annotations

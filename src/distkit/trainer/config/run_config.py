@@ -274,7 +274,7 @@ def _refusal(trainer: Trainer, config: Mapping[str, Any]) -> str | None:
 def _continues_run(trainer: Trainer) -> bool:
     """Whether ``trainer.resume`` continues the run of this ``default_root_dir`` (not a new run
     started from another run's weights)."""
-    from distkit.trainer._state import _is_inside
+    from distkit.trainer._loop.state import _is_inside
 
     resume = trainer.resume
     if resume is None:

@@ -1,0 +1,4 @@
+"""TrainerCLI and what a run's configuration needs (private but for ``TrainerCLI``): the command line and
+config files on jsonargparse (cli), the configuration saved with a run and checked on resume
+(run_config), and the errors that name a careless config's slip and its fix (errors). The
+public path ``distkit.trainer.config_cli`` re-exports ``TrainerCLI``."""
