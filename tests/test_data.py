@@ -20,9 +20,10 @@ import distkit
 from distkit.data import DistributedLoader, DistributedSplitSampler
 from distkit.data._split import _batch_plan, _rank_batches
 
-# Workers forked from the rank: the test ranks come from a forkserver, whose children would
-# otherwise start workers through a forkserver too (re-importing torch: seconds per worker).
-FORK = "fork"
+# DataLoader workers start from the rank's own forkserver, which distkit.testing preloads with torch
+# (milliseconds a worker once it runs). Not "fork": a worker forked from a rank can hang for good
+# when one of the rank's gloo threads takes an interpreter lock at that moment (docs/testing.md).
+WORKER_START_METHOD = "forkserver"
 
 
 class AugmentedDataset(torch.utils.data.Dataset):
@@ -73,7 +74,7 @@ def train_steps(
 ) -> tuple[list[list[int]], list[torch.Tensor], list[float]]:
     distkit.seed_everything(seed)
     loader = distkit.distributed_dataloader(
-        AugmentedDataset(), 4, num_workers=num_workers, multiprocessing_context=FORK
+        AugmentedDataset(), 4, num_workers=num_workers, multiprocessing_context=WORKER_START_METHOD
     )
     model = DistributedDataParallel(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -120,7 +121,7 @@ def draws_by_rank_and_worker(num_workers: int) -> tuple[torch.Tensor, bool]:
     distkit.seed_everything(0)
     before = torch.get_rng_state()
     loader = distkit.distributed_dataloader(
-        DrawsDataset(), 2, num_workers=num_workers, seed=1, multiprocessing_context=FORK
+        DrawsDataset(), 2, num_workers=num_workers, seed=1, multiprocessing_context=WORKER_START_METHOD
     )
     rows = torch.cat([batch for _ in range(2) for batch in loader])
     return rows, torch.equal(before, torch.get_rng_state())
@@ -169,7 +170,7 @@ def draws_at_worker_start() -> torch.Tensor:
         num_workers=2,
         seed=1,
         worker_init_fn=draw_at_worker_start,
-        multiprocessing_context=FORK,
+        multiprocessing_context=WORKER_START_METHOD,
     )
     return torch.cat(list(loader))
 
@@ -356,7 +357,7 @@ def resumable_run(
     ckpt = Path(path) / f"rank{distkit.get_rank()}.pt"
     distkit.seed_everything(123)
     loader = distkit.distributed_dataloader(
-        AugmentedDataset(), 4, num_workers=num_workers, multiprocessing_context=FORK
+        AugmentedDataset(), 4, num_workers=num_workers, multiprocessing_context=WORKER_START_METHOD
     )
     model = DistributedDataParallel(_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -478,7 +479,7 @@ def _split_loader(kind: str, num_workers: int = 0, persistent: bool = False) -> 
     """A shuffled training loader: distkit's ("loader"), a DataLoader over distkit's sampler
     ("sampler"), or one over torch's DistributedSampler ("torch", the reference)."""
     data = torch.arange(EPOCH_SAMPLES)
-    context = FORK if num_workers else None
+    context = WORKER_START_METHOD if num_workers else None
     if kind == "loader":
         return distkit.distributed_dataloader(
             data,

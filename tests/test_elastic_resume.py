@@ -29,8 +29,9 @@ from distkit.data._split import (
 N = 23  # a multiple of none of the world sizes, so padding and drop_last both come into play
 BATCH = 3
 SEED = 11
-# Workers forked from the process: the test ranks come from a forkserver (see tests/test_data.py).
-FORK = "fork"
+# DataLoader workers start from the rank's own forkserver, not by forking the rank (see
+# tests/test_data.py).
+WORKER_START_METHOD = "forkserver"
 
 
 class Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -56,8 +57,8 @@ def run_epochs(
     """This rank's batches (as lists), per epoch: ``epochs`` passes after loading ``state``, or
     stopping inside the first pass after ``stop_after`` batches (at most all of them, before the
     pass ends) with the state taken there."""
-    # Workers only where they are the point: each start forks a process that has threads.
-    options = {"num_workers": 2, "multiprocessing_context": FORK} if workers else {}
+    # Workers only where they are the point: each start costs two processes per rank.
+    options = {"num_workers": 2, "multiprocessing_context": WORKER_START_METHOD} if workers else {}
     dataset = Noisy() if noisy else list(range(N))
     loader = distkit.distributed_dataloader(dataset, BATCH, seed=SEED, drop_last=drop_last, **options)
     if state is not None:

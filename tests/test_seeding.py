@@ -16,9 +16,10 @@ import distkit
 from distkit import seeding
 from distkit.seeding import derive_seed
 
-# DataLoader workers forked from the rank (test ranks come from a forkserver, whose children would
-# otherwise start workers through a forkserver too: seconds per worker).
-FORK = "fork"
+# DataLoader workers start from the rank's own forkserver, which distkit.testing preloads with torch
+# (milliseconds a worker once it runs). Not "fork": a worker forked from a rank can hang for good
+# when one of the rank's gloo threads takes an interpreter lock at that moment (docs/testing.md).
+WORKER_START_METHOD = "forkserver"
 
 
 @pytest.fixture
@@ -148,7 +149,7 @@ def user_loader_draws(use_seed_worker: bool) -> torch.Tensor:
         batch_size=2,
         num_workers=2,
         worker_init_fn=distkit.seed_worker if use_seed_worker else None,
-        multiprocessing_context=FORK,
+        multiprocessing_context=WORKER_START_METHOD,
     )
     return torch.cat([batch for _ in range(2) for batch in loader])
 
@@ -277,7 +278,7 @@ def per_rank_run(seed: int, per_rank: bool) -> dict[str, object]:
         in_workers = [
             b.clone()
             for b in distkit.distributed_dataloader(
-                Augmented(), 3, num_workers=2, multiprocessing_context=FORK
+                Augmented(), 3, num_workers=2, multiprocessing_context=WORKER_START_METHOD
             )
         ]
         # A DataLoader of the user's own with distkit.seed_worker: each rank's workers their own.
@@ -287,7 +288,7 @@ def per_rank_run(seed: int, per_rank: bool) -> dict[str, object]:
             num_workers=2,
             worker_init_fn=distkit.seed_worker,
             generator=torch.Generator().manual_seed(seed),
-            multiprocessing_context=FORK,
+            multiprocessing_context=WORKER_START_METHOD,
         )
         own_draws = torch.cat(list(own))[:, 1:]
         return {

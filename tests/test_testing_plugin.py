@@ -118,6 +118,45 @@ def launcher_view_then_init(tag: str) -> dict[str, object]:
     return view
 
 
+class WhoLoads(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample i is (the pid of the process that loaded it, that process's parent's pid)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([os.getpid(), os.getppid()])
+
+
+# Iterators whose workers must still run when the rank is killed.
+_kept_loading: list[object] = []
+
+
+def start_workers_then_fail(directory: str) -> None:
+    # The rank's default start method: no multiprocessing_context, as docs/testing.md advises.
+    loader = torch.utils.data.DataLoader(WhoLoads(), batch_size=1, num_workers=2, persistent_workers=True)
+    batches = iter(loader)
+    _kept_loading.append(batches)
+    workers = sorted({tuple(next(batches)[0].tolist()) for _ in range(len(loader))})
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.txt"), "w") as out:
+        out.write(" ".join(f"{worker}:{parent}:{_parent(parent)}" for worker, parent in workers))
+    raise RuntimeError(f"failing with workers {workers} running")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not). Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 # -- results and the pool -------------------------------------------------------------------------
 
 
@@ -195,6 +234,28 @@ def test_rank_output_is_forwarded_to_stderr_with_rank_prefix(
     ranks.run(print_hello)
     err = capsys.readouterr().err
     assert "[rank 0/2] hello from rank 0" in err and "[rank 1/2] hello from rank 1" in err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+def test_dataloader_workers_come_from_the_ranks_own_forkserver_and_die_with_the_rank(
+    ranks: Ranks, tmp_path
+) -> None:
+    pids = ranks.run(pid)
+    with pytest.raises(RankFailedError, match="failing with workers"):
+        ranks.run(start_workers_then_fail, str(tmp_path))
+    for rank, rank_pid in enumerate(pids):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        workers = [tuple(map(int, line.split(":"))) for line in text.split()]
+        server = workers[0][1]
+        # Never forked from the rank, whose other threads may hold locks (docs/testing.md): from a
+        # single-threaded server that the rank started.
+        assert len(workers) == 2 and server != rank_pid, (rank_pid, workers)
+        assert all((parent, grandparent) == (server, rank_pid) for _, parent, grandparent in workers)
+        # Killed with the rank: neither the server nor its workers notice the rank's death.
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in [server, *(worker for worker, _, _ in workers)]):
+            assert time.monotonic() < deadline, (rank_pid, workers)
+            time.sleep(0.05)
 
 
 # -- failures -------------------------------------------------------------------------------------

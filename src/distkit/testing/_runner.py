@@ -189,13 +189,41 @@ def _context() -> BaseContext:
     # not running yet; modules already asked for by someone else are kept.
     from multiprocessing import forkserver
 
-    wanted = ["torch", "torch.distributed", "distkit", "distkit.testing._worker"]
+    wanted = [*_worker.FORKSERVER_PRELOAD, "distkit.testing._worker"]
     if "pytest" in sys.modules:
         wanted.append("pytest")
     current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(current + [name for name in wanted if name not in current])
     return ctx
+
+
+def _descendants(pid: int | None) -> list[int]:
+    """The processes below ``pid`` (Linux; elsewhere none are found).
+
+    A rank's DataLoader workers come from the rank's own forkserver (see
+    ``_worker._preload_own_forkserver``), and neither that server nor its children notice when the
+    rank is killed: each keeps the other alive (a worker holds the pipe whose end tells the server
+    to exit, and torch's worker only exits once its parent, the server, is gone). Forked workers would
+    exit on their own within 5 s (torch's watchdog), unless they hang.
+    """
+    found: list[int] = []
+    todo = [] if pid is None else [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as children:
+                    pids = [int(child) for child in children.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += pids
+            todo += pids
+    return found
 
 
 def _skip(kind: str, reason: str) -> NoReturn:
@@ -553,12 +581,19 @@ class _Group:
         self.kill()
 
     def kill(self) -> None:
-        """Kill every rank still alive, reap them all, and release files, pipes and the store."""
+        """Kill every rank still alive (with the processes it started), reap them all, and release
+        files, pipes and the store."""
         self.healthy = False
+        started: list[int] = []
         for proc in self.procs:
             if proc.exitcode is None:
                 with contextlib.suppress(OSError, ValueError):
+                    # Read before the kill, while the rank still links them to itself.
+                    started += _descendants(proc.pid)
                     proc.kill()
+        for pid in started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _KILL_WAIT_S
         for proc in self.procs:
             with contextlib.suppress(ValueError):  # already closed

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
+import multiprocessing
 import os
 import pickle
 import signal
@@ -57,6 +58,10 @@ class WorkerSpec:
     log_path: str
     stack_path: str
 
+
+#: What a forkserver imports before it forks anything: the parent's (which starts the ranks) and each
+#: rank's own (which starts that rank's DataLoader workers). Importing torch is most of a start.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "distkit")
 
 # Kept open for the life of the process: faulthandler writes into it from a signal handler.
 _stack_file: TextIO | None = None
@@ -273,6 +278,26 @@ def _run_task(sys_path: list[str], payload: bytes) -> tuple[Any, ...]:
         )
 
 
+def _preload_own_forkserver() -> None:
+    """Make the forkserver this rank starts its processes from (DataLoader workers) a quick one.
+
+    Forking the rank itself is not safe: its other threads can hold a lock at that moment that the
+    child then waits for forever. Before CPython 3.10.15 and 3.11.10, a gloo thread that frees a
+    tensor a collective held creates a Python thread state under the interpreter's head lock, and a
+    child forked meanwhile hangs in ``PyOS_AfterFork_Child`` (python/cpython#112275; see
+    docs/testing.md). A rank's default start method is forkserver (inherited from the server that
+    started it): a single-threaded server of the rank's own, started on first use. It imports torch
+    once, so that it forks each worker in milliseconds; without, every worker would import it.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    # distkit's loader unpickles its dataset wrapper from distkit.data in each worker, and a test
+    # module's dataset comes with pytest. (The test module itself cannot be preloaded: before
+    # Python 3.12.8 the server ignores this process's sys.path, python/cpython#117378.)
+    extra = ["distkit.data", *(["pytest"] if "pytest" in sys.modules else [])]
+    multiprocessing.set_forkserver_preload(["__main__", *FORKSERVER_PRELOAD, *extra])
+
+
 def _join(spec: WorkerSpec) -> None:
     if spec.init:
         runtime.init(spec.backend, timeout_s=runtime.DEFAULT_TIMEOUT_S)
@@ -301,6 +326,7 @@ def main(spec: WorkerSpec, conn: Connection, lifeline: Connection) -> None:
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
     os.environ.clear()
     os.environ.update(spec.environ)
+    _preload_own_forkserver()
 
     try:
         _join(spec)
