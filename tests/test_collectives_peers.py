@@ -649,7 +649,7 @@ def group_barrier_without_store() -> bool:
     from distkit import runtime
 
     group = _subgroup([0, 1])
-    rt = runtime._runtime
+    rt = runtime._current()
     saved, rt.store = rt.store, None
     try:
         distkit.barrier(timeout_s=60, group=group)  # gloo's monitored barrier on the group

@@ -42,7 +42,7 @@ def main_goes_first(log: str) -> list[bool]:
         if rank == 0:
             time.sleep(0.3)  # a follower that did not wait would enter meanwhile
         _append(log, f"exit {rank}")
-    call = runtime._runtime.counters["main_process_first"]
+    call = runtime._current().counters["main_process_first"]
     distkit.barrier(timeout_s=60)  # the follower has cleaned up by now
     return [runtime._store().check([key]) for key in _section_keys(call)]
 
@@ -78,7 +78,7 @@ def many_sections(n: int) -> list[bool]:
         with distkit.main_process_first(local=bool(i % 2), timeout_s=60):
             pass
         assert distkit.run_on_main(int, str(i)) == i
-    last = runtime._runtime.counters["main_process_first"]
+    last = runtime._current().counters["main_process_first"]
     distkit.barrier(timeout_s=60)
     store = runtime._store()
     return [
@@ -325,7 +325,7 @@ def test_bad_timeouts_are_rejected(world_of_one: pytest.MonkeyPatch, timeout_s: 
 
 
 def sections_without_store() -> list[Any]:
-    rt = runtime._runtime
+    rt = runtime._current()
     saved, rt.store = rt.store, None
     out: list[Any] = []
     try:

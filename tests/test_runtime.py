@@ -207,7 +207,7 @@ def test_barrier_timeout_names_the_late_rank_within_timeout_plus_5s(ranks) -> No
 
 def storeless_barrier_that_rank_1_never_enters(directory: str, timeout_s: float) -> tuple[float, str] | None:
     # A group without distkit's store takes the other path: gloo's monitored barrier.
-    distkit.runtime._runtime.store = None  # fresh ranks: nothing after this test sees the change
+    distkit.runtime._current().store = None  # type: ignore[union-attr]  # fresh ranks: nothing after this test sees the change
     out = Path(directory) / "rank-0-is-out-of-the-barrier"
     if distkit.get_rank() == 1:
         # Rank 1 stays out of the barrier until rank 0 has come out of it. A barrier without a

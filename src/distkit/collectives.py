@@ -257,7 +257,8 @@ def _label() -> str:
 
 def _wait_group(work: Any, what: str, peers: _Peers) -> None:
     """Wait for a collective of a caller's gloo group, bounded by distkit's timeout."""
-    timeout_s = runtime._runtime.timeout_s if runtime._runtime is not None else runtime.DEFAULT_TIMEOUT_S
+    current = runtime._current()
+    timeout_s = current.timeout_s if current is not None else runtime.DEFAULT_TIMEOUT_S
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as err:

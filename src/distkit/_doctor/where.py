@@ -75,7 +75,7 @@ _BACKWARD = frozenset(
 # distkit's own waits: (module, function) -> the helper named in the report.
 _DISTKIT_WAITS = {
     ("distkit.collectives", "_wait"): None,
-    ("distkit.runtime", "_wait_released"): "barrier",
+    ("distkit.runtime._barrier", "_wait_released"): "barrier",
 }
 # distkit waits with their own liveness check and deadline: never a hang on their own.
 _DISTKIT_EXEMPT = {
@@ -85,6 +85,9 @@ _DISTKIT_EXEMPT = {
     ): "waiting for the main process to finish its block (its heartbeat is watched)",
     ("distkit.checkpoint._commit", "_Handshake.settle_other"): "waiting for rank 0 to commit the checkpoint",
 }
+# distkit's packages that call the helpers (rather than being one): in a process of distkit's own
+# (the bench's ranks), the innermost frame of these is the line a report shows.
+_CALLERS = ("distkit.bench.", "distkit.checkpoint.", "distkit.testing.", "distkit.trainer.")
 # Thin wrappers of the Trainer whose caller is the more useful line.
 _TRAINER_PASSTHROUGH = frozenset({"distkit.trainer.precision"})
 # Local names a hand-written loop commonly counts its steps in.
@@ -252,12 +255,8 @@ def _shown_index(frames: Frames) -> int | None:
             return index
         if fallback is None and category != "stdlib":
             fallback = index
-        if (
-            caller is None
-            and category == "distkit"
-            and os.sep in os.path.abspath(code.co_filename)[len(_DISTKIT_DIR) :]
-        ):
-            caller = index  # in a package of distkit's (bench/, checkpoint/): what called the wait
+        if caller is None and category == "distkit" and _module(code.co_filename).startswith(_CALLERS):
+            caller = index  # distkit code that uses the helpers (the bench, checkpoints): the caller
     return fallback
 
 

@@ -47,8 +47,9 @@ class _Handshake:
 
     def __init__(self, what: str, timeout_s: float, *, action: str = "saving", verb: str = "commit") -> None:
         self.store = runtime._store()
-        assert runtime._runtime is not None  # _store() ensured it
-        self.key = f"checkpoint/{runtime._runtime.next_id('checkpoint')}"
+        current = runtime._current()
+        assert current is not None  # _store() ensured it
+        self.key = f"checkpoint/{current.next_id('checkpoint')}"
         self.what = what
         self.timeout_s = timeout_s
         self.action = action  # "saving" checkpoint X failed on the main process

@@ -86,7 +86,7 @@ class _EpochCheck:
         if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return None
         store = runtime._store()
-        state = runtime._runtime
+        state = runtime._current()
         if state is None:
             return None
         # Taken on every rank whatever the options, so that ranks agree on the ids that follow.

@@ -178,8 +178,9 @@ def step_state() -> StepState:
         except RuntimeError:  # a backend that does not count operations: this group is not checked
             continue
         state[("group", name, _label(group, name))] = count
-    if runtime._runtime is not None:
-        for kind, count in runtime._runtime.counters.items():
+    current = runtime._current()
+    if current is not None:
+        for kind, count in current.counters.items():
             state[("distkit", kind)] = count
     return state
 
