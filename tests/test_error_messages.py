@@ -218,18 +218,21 @@ def test_resuming_a_changed_model_on_two_ranks_says_the_same_on_every_rank(ranks
 # batch_size over a rank's share
 
 
-def report_and_warnings(tmp: str, length: int, batch_size: int) -> tuple[str, list[str]]:
+def report_and_warnings(tmp: str, length: int, batch_size: int) -> tuple[str, list[str], int]:
     out = io.StringIO()
     with warnings.catch_warnings(record=True) as caught, redirect_stdout(out):
         warnings.simplefilter("always")
         trainer = quiet(tmp, strategy="auto", max_steps=1, batch_size=batch_size)
         trainer.fit(Net(), Blobs(length), optimizer=SGD, loss_fn=CE)
     line = next((line for line in out.getvalue().splitlines() if "batch size" in line), "")
-    return line, [str(w.message) for w in caught if "batch_size=" in str(w.message)]
+    # What callbacks (ProgressLog's samples/s) and scale_lr read: the batch a step really takes.
+    effective = trainer.effective_batch_size
+    return line, [str(w.message) for w in caught if "batch_size=" in str(w.message)], effective
 
 
 def test_a_batch_size_over_the_dataset_warns_and_the_report_shows_the_real_batch(tmp_path) -> None:
-    line, warned = report_and_warnings(str(tmp_path), 40, 64)
+    line, warned, effective = report_and_warnings(str(tmp_path), 40, 64)
+    assert effective == 40
     assert warned == [
         "distributed_dataloader(): batch_size=64 is more than a rank's share of the dataset (the dataset "
         "has 40 samples), so every batch holds 40 samples, one batch per epoch. Pass batch_size <= 40, "
@@ -244,7 +247,8 @@ def test_a_batch_size_over_the_dataset_warns_and_the_report_shows_the_real_batch
 def test_a_batch_size_over_a_ranks_share_warns_on_two_ranks_and_the_report_shows_the_real_batch(
     ranks, tmp_path
 ) -> None:
-    (line, warned), _ = ranks.run(report_and_warnings, str(tmp_path), 37, 5000)
+    (line, warned, effective), _ = ranks.run(report_and_warnings, str(tmp_path), 37, 5000)
+    assert effective == 38
     assert warned == [
         "distributed_dataloader(): batch_size=5000 is more than a rank's share of the dataset (each of the "
         "2 ranks gets 19 of the 37 samples), so every batch holds 19 samples, one batch per epoch (38 over "

@@ -39,6 +39,7 @@ from distkit.trainer._loop import (
     logs as _logs,
     model_io as _model_io,
     preemption as _preemption,
+    report as _report,
     setup as _setup,
     state as _state,
 )
@@ -409,8 +410,15 @@ class Trainer:
 
     @property
     def effective_batch_size(self) -> int:
-        """Samples per optimizer step in the job: batch x replicas (ranks; GPUs under DP) x accumulation."""
-        return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
+        """Samples per optimizer step in the job: batch x replicas (ranks; GPUs under DP) x accumulation.
+
+        Once ``fit`` has made its loader, the batch a step really takes: smaller than asked when
+        ``batch_size`` is more than a rank's share of the data, or ``accumulate_grad_batches`` more
+        than the batches of an epoch (the start-up report says which), so that throughput and
+        ``scale_lr`` count the samples that are there."""
+        if self._train_loader is None:
+            return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
+        return _report.real_batch(self)[1]
 
     @property
     def batches_in_epoch(self) -> int:
