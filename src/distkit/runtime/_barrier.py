@@ -56,12 +56,7 @@ def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
         return
     if get_world_size() == 1:
         return
-    runtime = _require_runtime("barrier()")
-    timeout = runtime.timeout_s if timeout_s is None else float(timeout_s)
-    if timeout <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
-    if runtime.device.type == "cuda":
-        torch.cuda.synchronize(runtime.device)
+    runtime, timeout = _ready(timeout_s)
     if runtime.store is None:
         _monitored_barrier(runtime, timeout)
         return
@@ -109,6 +104,17 @@ def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
         doctor.finish_slow(f"b{generation}")
 
 
+def _ready(timeout_s: float | None) -> tuple[_Runtime, float]:
+    """The runtime and the barrier's deadline (checked), once this rank's GPU work is done. Local."""
+    runtime = _require_runtime("barrier()")
+    timeout = runtime.timeout_s if timeout_s is None else float(timeout_s)
+    if timeout <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize(runtime.device)
+    return runtime, timeout
+
+
 def _group_barrier(group: Any, timeout_s: float | None) -> None:
     """:func:`barrier` among the ranks of ``group``, through the store: every member names the late."""
     if type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -123,12 +129,7 @@ def _group_barrier(group: Any, timeout_s: float | None) -> None:
     me = dist.get_rank()
     if me not in ranks or len(ranks) < 2:
         return  # outside the group (torch's convention), or alone in it
-    runtime = _require_runtime("barrier()")
-    timeout = runtime.timeout_s if timeout_s is None else float(timeout_s)
-    if timeout <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
-    if runtime.device.type == "cuda":
-        torch.cuda.synchronize(runtime.device)
+    runtime, timeout = _ready(timeout_s)
     label = f"[rank {runtime.env.rank}/{runtime.env.world_size}]"
     if runtime.store is None:
         try:
