@@ -340,6 +340,7 @@ ALONE = {
     "broadcast_object": lambda run_dir: distkit.broadcast_object("x"),
     "all_gather": lambda run_dir: distkit.all_gather(torch.ones(2)),
     "any_rank": lambda run_dir: distkit.any_rank(True),
+    "sync_buffers": lambda run_dir: distkit.sync_buffers(nn.BatchNorm1d(2)),
     "CheckpointManager.save": lambda run_dir: CheckpointManager(run_dir, overwrite=True).save(
         0, {"progress": ResumeState()}
     ),

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distkit import collectives
+
 __all__ = ["shard_model", "sync_buffers"]
 
 # The parameter-count rule's default: a unit as large as a small transformer block (about 1 M
@@ -269,10 +271,12 @@ def _buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def _broadcast_buffers(slots: list[tuple[nn.Module, str]], src: int = 0) -> None:
-    """Overwrite every rank's buffers of ``slots`` with rank ``src``'s. Collective (the default group).
+    """Overwrite every rank's buffers of ``slots`` with rank ``src``'s. Collective (every rank).
 
-    One broadcast per device, of every buffer's bytes: widest element types first, so that each
-    buffer's offset in the flat byte tensor is a multiple of its element size.
+    Through distkit's collectives, so that a rank that skips it is named at once instead of leaving
+    the others waiting for the group's timeout. One broadcast per device, of every buffer's bytes:
+    widest element types first, so that each buffer's offset in the flat byte tensor is a multiple
+    of its element size.
     """
     tensors = sorted(
         (module._buffers[name] for module, name in slots),
@@ -281,10 +285,13 @@ def _broadcast_buffers(slots: list[tuple[nn.Module, str]], src: int = 0) -> None
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_device.setdefault(tensor.device, []).append(tensor.detach())  # type: ignore[union-attr]
+    peers = collectives._peers(None, "sync_buffers()")
+    if peers is None:  # a world of one
+        return
     receiving = dist.get_rank() != src
     for parts in by_device.values():
         flat = torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
-        dist.broadcast(flat, src=src)
+        collectives._run("sync_buffers", flat, peers, dist.broadcast, flat, src=src)
         if receiving:
             offset = 0
             for part in parts:
