@@ -912,7 +912,7 @@ def test_ddp_with_auto_devices_outside_a_launcher_without_cuda_asks_for_a_proces
 def ddp_options_reach_ddp(tmp: str) -> tuple[bool, bool, int]:
     class Capture(Callback):
         def on_fit_start(self, trainer: Trainer) -> None:
-            self.ddp = trainer._wrapped  # the DDP module itself: its options are what we check
+            self.ddp = trainer._shown.wrapped  # the DDP module itself (the run state): its options
 
     # A branch that the forward pass never uses: plain DDP fails on it at the second step.
     torch.manual_seed(0)

@@ -492,7 +492,7 @@ class FirstDraw(Callback):
 
     def on_fit_start(self, trainer: Trainer) -> None:
         self.draw = torch.rand(()).item()
-        self.loader_seed = trainer._train_loader.seed
+        self.loader_seed = trainer._shown.train_loader.seed  # the loader fit made (the run state)
 
 
 class SeenBlobs(Blobs):

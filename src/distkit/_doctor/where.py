@@ -402,7 +402,7 @@ def ddp_in_frames(frames: Frames) -> bool:
         for value in values:
             if isinstance(value, ddp_type):
                 return True
-            # One attribute level: self.model, trainer._wrapped.
+            # One attribute level: self.model, run.wrapped.
             attributes = getattr(value, "__dict__", None)
             # Not a module's: `torch.distributed.reduce_op` warns when merely looked at.
             if (

@@ -13,15 +13,12 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from distkit import runtime
 from distkit.collectives import any_rank
-
-if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
 
 __all__ = [
     "Callback",
@@ -101,6 +98,8 @@ class TrainerView(Protocol):
     @property
     def optimizer(self) -> torch.optim.Optimizer | None: ...
     @property
+    def lr_scheduler(self) -> Any: ...
+    @property
     def device(self) -> torch.device | None: ...
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -127,13 +126,13 @@ class Callback:
         >>> trainer = distkit.Trainer(callbacks=[StopAtLoss()], max_epochs=10)
     """
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         """After set-up (model wrapped, loaders made, checkpoint restored), before the first step."""
 
-    def on_train_epoch_start(self, trainer: Trainer) -> None:
+    def on_train_epoch_start(self, trainer: TrainerView) -> None:
         """At the start of every training epoch (``trainer.current_epoch``)."""
 
-    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         """After every optimizer step (taken or skipped); ``trainer.global_step`` counts it.
 
         Args:
@@ -142,20 +141,20 @@ class Callback:
                 detached and not reduced across ranks.
         """
 
-    def on_log(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         """At every logging step (``log_every_n_steps``), before the loggers write ``metrics``.
 
         Callbacks may add entries to ``metrics`` (the learning-rate and throughput monitors do);
         added values are not reduced across ranks, and the loggers write the main process's dict.
         """
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         """After validation; ``metrics`` holds the exact validation metrics (``val_*``)."""
 
-    def on_train_epoch_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         """At the end of every epoch, with the epoch's training and validation metrics."""
 
-    def on_fit_end(self, trainer: Trainer) -> None:
+    def on_fit_end(self, trainer: TrainerView) -> None:
         """When ``fit`` finishes (also after an early stop or a preemption)."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -46,13 +46,14 @@ from distkit.trainer import strategies
 from distkit.trainer._loop import setup as _setup
 from distkit.trainer._loop.preemption import _Preempted
 from distkit.trainer._loop.state import _CallbackStates
+from distkit.trainer._run import Options, Outcome, checkpoint_callback
 from distkit.trainer.strategies import LOCAL_RUN_PREFIX
 from distkit.trainer.strategies._base import _tree_to_cpu
+from distkit.trainer.strategies._fsdp import full_state
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from distkit.trainer.trainer import Trainer
 
 __all__: list[str] = []
 
@@ -303,24 +304,21 @@ def _worker(payload: bytes, errors: str) -> bytes:
 
 
 def run_workers(
-    trainer: Trainer, plan: strategies._Plan, model: nn.Module, data: tuple[Any, Any], kwargs: dict[str, Any]
-) -> None:
-    """Train on ``plan.local_processes`` new processes, then take over rank 0's final state."""
+    trainer: Options, plan: strategies._Plan, model: nn.Module, data: tuple[Any, Any], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Train on ``plan.local_processes`` new processes; rank 0's final state (:func:`worker_outcome`)."""
     check_main_guard(plan.local_processes)
     payload = serialize(
         "the trainer, model, data, optimizer and functions",
         (trainer, "fit", model, data, kwargs, process_state()),
     )
     results = launch(plan.local_processes, payload)
-    final = pickle.loads(results[0])
-    take_outcome(trainer, model, kwargs, final)
-    trainer.world_size = plan.world_size
-    if final["preempted"]:
-        raise _Preempted()
+    final: dict[str, Any] = pickle.loads(results[0])
+    return final
 
 
 def run_method(
-    trainer: Trainer,
+    trainer: Options,
     plan: strategies._Plan,
     method: str,
     model: nn.Module,
@@ -337,11 +335,14 @@ def run_method(
     return pickle.loads(results[0])
 
 
-def worker_outcome(trainer: Trainer, preempted: bool) -> dict[str, Any] | None:
+def worker_outcome(trainer: Options, preempted: bool) -> dict[str, Any] | None:
     """What rank 0 of launched workers sends back to the process that started them (``None`` on
-    the other ranks). Collective: a sharded model is gathered from every rank."""
-    assert trainer.model is not None and trainer.optimizer is not None and trainer._strategy is not None
-    full = trainer._strategy.full_state(trainer.model, trainer.optimizer)
+    the other ranks), read from the Trainer's public properties after ``fit``. Collective: a
+    sharded model is gathered from every rank."""
+    model, optimizer = trainer.model, trainer.optimizer
+    if model is None or optimizer is None:  # fit() returned without setting up (it cannot)
+        raise DistkitError("fit() ended in a started process without a model or optimizer to send back.")
+    full = full_state(model, optimizer)
     if full is None:
         return None
     scheduler = trainer.lr_scheduler
@@ -352,42 +353,52 @@ def worker_outcome(trainer: Trainer, preempted: bool) -> dict[str, Any] | None:
         "callbacks": _tree_to_cpu(_CallbackStates(trainer.callbacks).state_dict()),
         "global_step": trainer.global_step,
         # What a scheduler factory reads (steps_per_epoch, total_steps, effective_batch_size).
-        "loop_sizes": (trainer._num_batches, trainer._per_replica_batch, trainer._replicas),
+        "num_batches": trainer.num_training_batches,
+        "effective_batch_size": trainer.effective_batch_size,
         "current_epoch": trainer.current_epoch,
         "skipped_steps": trainer.skipped_steps,
-        "should_stop": trainer._should_stop,
+        "should_stop": trainer.should_stop,
         "callback_metrics": dict(trainer.callback_metrics),
         "rng": capture_rng_state(),
         "preempted": preempted,
     }
 
 
-def take_outcome(
-    trainer: Trainer, model: nn.Module, kwargs: Mapping[str, Any], outcome: Mapping[str, Any]
+def outcome_of(final: Mapping[str, Any], model: nn.Module, world_size: int) -> Outcome:
+    """What the Trainer shows after rank 0 of its workers sent ``final``: ``model`` holding rank 0's
+    final weights, the counters, metrics and sizes (the optimizer and scheduler come after, from
+    :func:`take_objects`, as a scheduler factory reads the sizes). Local."""
+    model.load_state_dict(final["model"])
+    return Outcome(
+        model=model,
+        world_size=world_size,
+        global_step=final["global_step"],
+        current_epoch=final["current_epoch"],
+        skipped_steps=final["skipped_steps"],
+        should_stop=final["should_stop"],
+        callback_metrics=final["callback_metrics"],
+        num_batches=final["num_batches"],
+        effective_batch_size=final["effective_batch_size"],
+    )
+
+
+def take_objects(
+    trainer: Options, outcome: Outcome, model: nn.Module, kwargs: Mapping[str, Any], final: Mapping[str, Any]
 ) -> None:
     """Make this (launching) process's objects what rank 0's were at the end of ``fit``.
 
-    The model, the optimizer (the object passed, or one the factory makes here over ``model``'s
-    parameters), the scheduler likewise, the callbacks' ``state_dict()``, the counters and
-    metrics, and the random generators: code after ``fit`` sees what rank 0 of a torchrun job
-    would. Local.
+    The optimizer (the object passed, or one the factory makes here over the model's parameters),
+    the scheduler likewise, the callbacks' ``state_dict()``, and the random generators: code after
+    ``fit`` sees what rank 0 of a torchrun job would. ``trainer`` already shows ``outcome``. Local.
     """
-    model.load_state_dict(outcome["model"])
-    trainer.model = model
-    trainer._num_batches, trainer._per_replica_batch, trainer._replicas = outcome["loop_sizes"]
-    trainer.optimizer = _setup.make_optimizer(trainer, model, kwargs["optimizer"])
+    outcome.optimizer = optimizer = _setup.make_optimizer(model, kwargs["optimizer"])
     # Made before the optimizer's state is loaded: a new scheduler sets the learning rates.
-    trainer.lr_scheduler = _setup.make_scheduler(trainer, kwargs["lr_scheduler"])
-    trainer.optimizer.load_state_dict(outcome["optimizer"])
-    if trainer.lr_scheduler is not None and outcome["lr_scheduler"] is not None:
-        trainer.lr_scheduler.load_state_dict(outcome["lr_scheduler"])
-    _CallbackStates(trainer.callbacks).load_state_dict(outcome["callbacks"])
-    checkpoint = trainer._checkpoint_callback()
+    outcome.lr_scheduler = scheduler = _setup.make_scheduler(trainer, optimizer, kwargs["lr_scheduler"])
+    optimizer.load_state_dict(final["optimizer"])
+    if scheduler is not None and final["lr_scheduler"] is not None:
+        scheduler.load_state_dict(final["lr_scheduler"])
+    _CallbackStates(trainer.callbacks).load_state_dict(final["callbacks"])
+    checkpoint = checkpoint_callback(trainer.callbacks)
     if checkpoint is not None:
         checkpoint.setup(trainer)  # its manager reads the workers' checkpoints (latest(), best())
-    trainer.global_step = outcome["global_step"]
-    trainer.current_epoch = outcome["current_epoch"]
-    trainer.skipped_steps = outcome["skipped_steps"]
-    trainer._should_stop = outcome["should_stop"]
-    trainer.callback_metrics = outcome["callback_metrics"]
-    restore_rng_state(outcome["rng"])
+    restore_rng_state(final["rng"])

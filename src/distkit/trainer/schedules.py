@@ -22,7 +22,8 @@ import torch
 from distkit.optim import scale_lr as _scale_lr
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
+    from distkit.trainer.callbacks import TrainerView
 
 __all__ = ["warmup_schedule"]
 
@@ -63,7 +64,7 @@ class _WarmupFactory:
         self.min_lr_ratio = min_lr_ratio
 
     def __call__(
-        self, optimizer: torch.optim.Optimizer, trainer: Trainer
+        self, optimizer: torch.optim.Optimizer, trainer: TrainerView
     ) -> torch.optim.lr_scheduler.LambdaLR:
         warmup = self.warmup_steps
         if warmup is None:
@@ -132,40 +133,38 @@ def warmup_schedule(
     return _WarmupFactory(float(warmup_epochs), warmup_steps, decay, float(min_lr_ratio))
 
 
-def lr_factor(trainer: Trainer) -> float:
+def lr_factor(run: Run) -> float:
     """The Trainer's learning-rate scaling factor for this job (1.0 without ``scale_lr``). Local."""
-    if trainer.scale_lr is None:
+    rule, base = run.trainer.scale_lr, run.trainer.base_batch_size
+    if rule is None or base is None:  # the two go together (checked at construction)
         return 1.0
-    assert trainer.base_batch_size is not None  # checked at construction
     # The effective batch is per-replica batch x replicas x accumulation, as scale_lr multiplies them.
     return _scale_lr(
         1.0,
-        base_batch_size=trainer.base_batch_size,
-        batch_size=trainer.effective_batch_size,
+        base_batch_size=base,
+        batch_size=run.trainer.effective_batch_size,
         world_size=1,
-        rule=trainer.scale_lr,  # type: ignore[arg-type]
+        rule=rule,  # type: ignore[arg-type]
     )
 
 
-def apply_scaling(trainer: Trainer) -> None:
+def apply_scaling(run: Run) -> None:
     """Scale the optimizer's learning rates for this job, keeping each group's base rate. Local."""
-    assert trainer.optimizer is not None
-    factor = lr_factor(trainer)
-    for group in trainer.optimizer.param_groups:
+    factor = lr_factor(run)
+    for group in run.optimizer.param_groups:
         group.setdefault(BASE_LR_KEY, group["lr"])
-        if trainer.scale_lr is not None:
+        if run.trainer.scale_lr is not None:
             group["lr"] = group[BASE_LR_KEY] * factor
 
 
-def rescale_after_restore(trainer: Trainer) -> None:
+def rescale_after_restore(run: Run) -> None:
     """After a resume, bring the restored learning rates (scaled for the saved job) to this job's
     scaling: the optimizer's groups and the scheduler's base rates. Local."""
-    optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
-    assert optimizer is not None
-    factor = lr_factor(trainer)
+    optimizer, scheduler = run.optimizer, run.lr_scheduler
+    factor = lr_factor(run)
     base_lrs = getattr(scheduler, "base_lrs", None)
     for index, group in enumerate(optimizer.param_groups):
-        if BASE_LR_KEY not in group or trainer.scale_lr is None:
+        if BASE_LR_KEY not in group or run.trainer.scale_lr is None:
             continue
         now = group.get("initial_lr", group["lr"]) if base_lrs is None else base_lrs[index]
         ratio = group[BASE_LR_KEY] * factor / now
@@ -180,26 +179,26 @@ def rescale_after_restore(trainer: Trainer) -> None:
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def describe(trainer: Trainer) -> str:
+def describe(run: Run) -> str:
     """The start-up report's learning-rate line: base rates, the scaling, and the rate of the
     first step to come when a schedule makes it differ (warm-up)."""
-    optimizer = trainer.optimizer
-    assert optimizer is not None
+    optimizer = run.optimizer
     groups = optimizer.param_groups
     base = _shown_rates(g.get(BASE_LR_KEY, g.get("initial_lr", g["lr"])) for g in groups)
-    scheduled = getattr(trainer.lr_scheduler, "base_lrs", None)
+    scheduled = getattr(run.lr_scheduler, "base_lrs", None)
     full = _shown_rates(
         scheduled if scheduled is not None else (g.get("initial_lr", g["lr"]) for g in groups)
     )
     text = f"{base} base"
-    if trainer.scale_lr is not None:
+    if run.trainer.scale_lr is not None:
+        trainer = run.trainer
         text += (
-            f", scaled x{lr_factor(trainer):g} ({trainer.scale_lr}: {trainer.effective_batch_size} effective "
+            f", scaled x{lr_factor(run):g} ({trainer.scale_lr}: {trainer.effective_batch_size} effective "
             f"batch / {trainer.base_batch_size} base) -> {full}"
         )
     now = _shown_rates(g["lr"] for g in groups)
     if now != full:
-        text += f"; {now} at step {trainer.global_step} (schedule)"
+        text += f"; {now} at step {run.global_step} (schedule)"
     return f"{text} ({type(optimizer).__name__})"
 
 

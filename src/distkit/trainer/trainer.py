@@ -22,6 +22,7 @@ sums between logging steps (``logs``), validation (``evaluate``) and ``validate`
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,11 +33,11 @@ from torch import nn
 
 from distkit import runtime
 from distkit._doctor.doctor import check_timeout
+from distkit.errors import DistkitError
 from distkit.trainer import launch, strategies
 from distkit.trainer._loop import (
     epoch as _loop,
     inference as _inference,
-    logs as _logs,
     model_io as _model_io,
     preemption as _preemption,
     report as _report,
@@ -44,16 +45,11 @@ from distkit.trainer._loop import (
     state as _state,
 )
 from distkit.trainer._loop.preemption import _Preempted
-from distkit.trainer.callbacks import Callback, ModelCheckpoint, TrainerView
+from distkit.trainer._run import Outcome, Run
+from distkit.trainer.callbacks import Callback, TrainerView
 from distkit.trainer.loggers import Logger
 from distkit.trainer.precision import check_precision
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
-
-if TYPE_CHECKING:
-    from distkit.trainer._loop.step import _StepModule
-    from distkit.trainer.precision import Precision
-    from distkit.trainer.strategies import _Plan
-    from distkit.trainer.strategies._base import Strategy
 
 __all__ = ["Trainer"]
 
@@ -190,75 +186,9 @@ class Trainer:
     # The resolved configuration of a TrainerCLI run (None for a Trainer built in Python).
     run_config: dict[str, Any] | None
 
-    # What fit() set up: the user's objects, this process's device and the job's size.
-    model: nn.Module | None
-    optimizer: torch.optim.Optimizer | None
-    lr_scheduler: Any
-    device: torch.device | None
-    world_size: int
-
-    # Progress (saved in checkpoints) and the latest reduced metrics. `should_stop` is a property
-    # over `_should_stop`, so that setting it also tells the other ranks.
-    global_step: int
-    current_epoch: int
-    skipped_steps: int
-    callback_metrics: dict[str, float]
-
-    # What one fit() sets up and uses (none of it configuration), private to the trainer package:
-    # _state.reset_run_state sets each before set-up and says what it is. What only set-up can
-    # give (the plan, the strategy, the modules, the precision) is None until then.
-    _should_stop: bool
-    _plan: _Plan | None
-    _strategy: Strategy | None
-    _model_class: type[nn.Module]
-    _step_module: _StepModule | None
-    _wrapped: nn.Module | None
-    _precision: Precision | None
-    # The loader fit() was given (any object a loop can iterate) or the DistributedLoader it made;
-    # None before set-up, and _val_loader without validation data.
-    _train_loader: Any
-    _val_loader: Any
-    _loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    _metric_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]]
-    _scheduler_interval: str
-    # The callbacks of this fit() (a progress bar included), and those overriding on_train_step_end.
-    _active_callbacks: list[Callback]
-    _step_end_callbacks: list[Callback]
-    # Batches per epoch on this rank, samples per loader batch, data-parallel replicas.
-    _num_batches: int
-    _per_replica_batch: int
-    _replicas: int
-    # Position inside the epoch.
-    _batches_done: int
-    _epoch_finished: bool
-    # Stop requests and the run of consecutive non-finite steps.
-    _request_stop: bool
-    _preempt_requested: bool
-    _job_preempt: bool
-    _preempted: bool
-    _nonfinite_run: list[int]
-    # What a poisoned backward pass turns to nan, and what is read to see it.
-    _params: list[nn.Parameter]
-    _sentinel: nn.Parameter | None
-    _sentinel_is_vector: bool
-    _scan_all: bool
-    # The generators a forward pass draws from, their states at the step's start, and the batches
-    # a discarded step gave back.
-    _generators: list[torch.Generator]
-    _states_at_step: list[torch.Tensor]
-    _given_back: int
-    # This rank's partial sums of what is logged next, and what a discarded step gives back.
-    _window_sum: float
-    _window_count: int
-    _epoch_sum: float
-    _epoch_count: int
-    _extra_sums: dict[str, torch.Tensor | float]
-    _extra_count: int
-    _extras_at_step: tuple[int, dict[str, torch.Tensor | float], int] | None
-    _log_pending: bool
-    # The latest validation (step, metrics), and what puts the hang doctor's settings back.
-    _last_validation: tuple[int, dict[str, float]]
-    _restore_hang: Callable[[], None] | None
+    # What the Trainer shows (model, counters, metrics, ...): the run of the latest fit() in this
+    # process, or an Outcome (before any fit, and after one that ran in processes it started).
+    _shown: Run | Outcome
 
     def __init__(
         self,
@@ -353,33 +283,75 @@ class Trainer:
         self.callbacks = _setup.callback_list(callbacks, enable_checkpointing)
         self.loggers = _setup.logger_list(logger)
 
-        self.model = None
-        self.optimizer = None
-        self.lr_scheduler = None
-        self.device = None
-        self.world_size = 1
-        self.global_step = 0
-        self.current_epoch = 0
-        self.skipped_steps = 0
-        self.callback_metrics = {}
-        self._reset_run_state()
+        self._shown = Outcome()
 
-    def _reset_run_state(self) -> None:
-        _state.reset_run_state(self)  # what one fit() sets up and uses, listed there
+    def __getstate__(self) -> dict[str, Any]:
+        # The processes fit() starts get the Trainer's configuration; a run belongs to this process
+        # (its loaders, wrapped model, strategy), and fit() makes a new one there.
+        state = dict(self.__dict__)
+        state["_shown"] = Outcome()
+        return state
 
     # ------------------------------------------------------------------------------------------
-    # Read-only views for callbacks
+    # What fit() set up and where it is: properties over the run (see distkit.trainer._run)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model of the latest ``fit`` (the module passed; after a ``fit`` that started its own
+        processes, holding rank 0's final weights); ``None`` before."""
+        return self._shown.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer of the latest ``fit`` (the one passed, or the one its factory made)."""
+        return self._shown.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate scheduler of the latest ``fit`` (``None`` without one)."""
+        return self._shown.lr_scheduler
+
+    @property
+    def device(self) -> torch.device | None:
+        """This process's device in the latest ``fit``/``validate``/``test``/``predict``."""
+        return self._shown.device
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job of the latest ``fit``/``validate``/``test``/``predict`` (1 before)."""
+        return self._shown.world_size
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken or skipped so far."""
+        return self._shown.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained (0-based); after ``fit``, the completed epochs."""
+        return self._shown.current_epoch
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a loss was non-finite on some rank."""
+        return self._shown.skipped_steps
+
+    @property
+    def callback_metrics(self) -> dict[str, float]:
+        """The latest logged metrics, reduced across ranks (the dict itself: a callback may add
+        entries, as Lightning's may)."""
+        return self._shown.callback_metrics
 
     @property
     def should_stop(self) -> bool:
         """Whether training stops; setting it to ``True`` stops every rank after the current step."""
-        return self._should_stop
+        return self._shown.should_stop
 
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
-        self._should_stop = bool(value)
-        if value:
-            self._request_stop = True
+        self._shown.should_stop = bool(value)
+        if value and isinstance(self._shown, Run):
+            self._shown.request_stop = True
 
     @property
     def is_main_process(self) -> bool:
@@ -389,12 +361,12 @@ class Trainer:
     @property
     def num_training_batches(self) -> int:
         """Batches per epoch on each rank."""
-        return self._num_batches
+        return self._shown.num_batches
 
     @property
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (the last one may accumulate fewer micro-batches)."""
-        return -(-self._num_batches // self.accumulate_grad_batches)
+        return -(-self._shown.num_batches // self.accumulate_grad_batches)
 
     @property
     def total_steps(self) -> int:
@@ -404,7 +376,7 @@ class Trainer:
         by_epochs = None if self.max_epochs is None else self.max_epochs * self.steps_per_epoch
         if self.max_steps is None:
             return by_epochs or 0
-        if by_epochs is None or not self._num_batches:
+        if by_epochs is None or not self._shown.num_batches:
             return self.max_steps
         return min(self.max_steps, by_epochs)
 
@@ -416,27 +388,33 @@ class Trainer:
         ``batch_size`` is more than a rank's share of the data, or ``accumulate_grad_batches`` more
         than the batches of an epoch (the start-up report says which), so that throughput and
         ``scale_lr`` count the samples that are there."""
-        if self._train_loader is None:
-            return self._per_replica_batch * self._replicas * self.accumulate_grad_batches
-        return _report.real_batch(self)[1]
+        shown = self._shown
+        if isinstance(shown, Run):
+            return _report.real_batch(shown)[1]
+        if shown.effective_batch_size is not None:
+            return shown.effective_batch_size
+        return self.batch_size * self.accumulate_grad_batches
 
     @property
     def batches_in_epoch(self) -> int:
         """Batches (micro-batches under accumulation) of the current epoch this rank has consumed,
         the restored ones of a resumed run included; 0 at an epoch's start. Local."""
-        return self._batches_done
+        return self._shown.batches_done if isinstance(self._shown, Run) else 0
 
     @property
     def running_loss(self) -> float | None:
         """This rank's mean training loss over the optimizer steps taken since the last logging
         step (not reduced across ranks: the logged ``train_loss`` is); ``None`` before the first
         step after a logging step, or when every step since was skipped. Local."""
-        return self._window_sum / self._window_count if self._window_count else None
+        run = self._shown
+        if not isinstance(run, Run) or not run.window_count:
+            return None
+        return run.window_sum / run.window_count
 
     @property
     def last_validation_step(self) -> int | None:
         """The ``global_step`` at which validation last ran in this ``fit`` (``None`` before it)."""
-        step = self._last_validation[0]
+        step = self._shown.last_validation[0] if isinstance(self._shown, Run) else -1
         return None if step < 0 else step
 
     @property
@@ -444,14 +422,14 @@ class Trainer:
         """The metrics of the last validation of this ``fit``, reduced across ranks (a copy; empty
         before it). Compare :attr:`last_validation_step` with :attr:`global_step` to tell whether
         they describe the model as it is now."""
-        return dict(self._last_validation[1])
+        return dict(self._shown.last_validation[1]) if isinstance(self._shown, Run) else {}
 
     @property
     def log_pending(self) -> bool:
         """True in the step-end callbacks of a logging step whose metrics are not logged yet: an
         ``on_log`` call for this step follows them (a checkpoint saved in a step-end callback logs
         them first, and this turns False)."""
-        return self._log_pending
+        return isinstance(self._shown, Run) and self._shown.log_pending
 
     # ------------------------------------------------------------------------------------------
     # fit
@@ -535,32 +513,45 @@ class Trainer:
                 "scheduler_interval": scheduler_interval,
                 "metrics": metrics,
             }
-            launch.run_workers(self, plan, model, (train_data, val_data), kwargs)
+            final = launch.run_workers(self, plan, model, (train_data, val_data), kwargs)
+            self._shown = launch.outcome_of(final, model, plan.world_size)
+            launch.take_objects(self, self._shown, model, kwargs, final)
+            if final["preempted"]:
+                raise _Preempted()
             return
 
-        self._reset_run_state()
-        self._plan = plan
-        self._loss_fn = loss_fn
-        self._metric_fns = dict(metrics or {})
-        self._scheduler_interval = scheduler_interval
-        self.global_step, self.current_epoch, self.skipped_steps = 0, 0, 0
-        self.callback_metrics = {}
-        try:
-            _setup.setup(self, model, train_data, val_data, optimizer, lr_scheduler)
-            # Only around the loop, where the flag is looked at every step: during set-up SIGTERM
-            # keeps its usual meaning.
-            previous_handler = _preemption.install_handler(self)
+        self._shown = Outcome()  # the counters and metrics start over
+        with contextlib.ExitStack() as undo:  # what set-up did that fit undoes, also on failure
+            undo.callback(_setup.finalize_loggers, self)
             try:
-                self._run()
-            finally:
-                _preemption.restore_handler(self, previous_handler)
-        except BaseException as err:
-            _setup.on_failure(self, err)
-            raise
-        finally:
-            _setup.teardown(self, model)
-        if self._preempted:
+                run = _setup.setup(
+                    self,
+                    undo,
+                    plan,
+                    model,
+                    (train_data, val_data),
+                    optimizer,
+                    lr_scheduler,
+                    loss_fn=loss_fn,
+                    metric_fns=dict(metrics or {}),
+                    scheduler_interval=scheduler_interval,
+                    on_run=self._show,
+                )
+                # Only around the loop, where the flag is looked at every step: during set-up
+                # SIGTERM keeps its usual meaning.
+                previous_handler = _preemption.install_handler(run)
+                try:
+                    _loop.train(run)
+                finally:
+                    _preemption.restore_handler(run, previous_handler)
+            except BaseException as err:
+                _setup.on_failure(self, err)
+                raise
+        if run.preempted:
             raise _Preempted()
+
+    def _show(self, run: Run) -> None:
+        self._shown = run
 
     # ------------------------------------------------------------------------------------------
     # validate, test, predict
@@ -600,7 +591,7 @@ class Trainer:
             {'val_loss': 0.31, 'val_acc': 0.91}
         """
         return _inference.evaluate(
-            self, "val", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
+            self, self._shown, "val", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
         )
 
     def test(
@@ -621,7 +612,7 @@ class Trainer:
             {'test_loss': 0.29}
         """
         return _inference.evaluate(
-            self, "test", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
+            self, self._shown, "test", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
         )
 
     def predict(
@@ -655,7 +646,7 @@ class Trainer:
             >>> logits.shape
             torch.Size([10000, 10])
         """
-        return _inference.predict(self, model, data, ckpt_path=ckpt_path, all_ranks=all_ranks)
+        return _inference.predict(self, self._shown, model, data, ckpt_path=ckpt_path, all_ranks=all_ranks)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -676,33 +667,13 @@ class Trainer:
         Example:
             >>> manager.save(trainer.global_step, trainer.checkpoint_state())  # doctest: +SKIP
         """
-        return _state.checkpoint_state(self)
-
-    def _checkpoint_callback(self) -> ModelCheckpoint | None:
-        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
-
-    # ------------------------------------------------------------------------------------------
-    # The loop
-
-    def _run(self) -> None:
-        while not self._finished():
-            _loop.run_epoch(self)
-            if self._preempted:
-                break
-            if self._epoch_finished:
-                # After fit, current_epoch counts the completed epochs (as max_epochs does).
-                self.current_epoch += 1
-                self._batches_done = 0
-            if self._should_stop:
-                break
-        for cb in self._active_callbacks:
-            cb.on_fit_end(self)
-        _logs.log_final_checkpoint(self)  # committed by now (ModelCheckpoint.on_fit_end waited)
-
-    def _finished(self) -> bool:
-        if self.max_steps is not None and self.global_step >= self.max_steps:
-            return True
-        return self.max_epochs is not None and self.current_epoch >= self.max_epochs
+        if not isinstance(self._shown, Run):
+            raise DistkitError(
+                "checkpoint_state() describes a fit() in progress in this process: call it from a "
+                "callback (or after a fit() that ran here); to save a model outside fit(), use "
+                "distkit.save_checkpoint(path, {'model': model, 'optimizer': optimizer})."
+            )
+        return _state.checkpoint_state(self._shown)
 
 
 if TYPE_CHECKING:

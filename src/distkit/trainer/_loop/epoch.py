@@ -15,26 +15,43 @@ from distkit.trainer._loop.batches import to_device
 from distkit.trainer._loop.step import _mean_over_devices, optimizer_step
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
 
-def run_epoch(trainer: Trainer) -> None:
+def train(run: Run) -> None:
+    """Epochs until ``max_epochs``/``max_steps``, a stop or a preemption; then the callbacks'
+    ``on_fit_end`` and the loggers' record of the last checkpoint."""
+    while not run.finished():
+        run_epoch(run)
+        if run.preempted:
+            break
+        if run.epoch_finished:
+            # After fit, current_epoch counts the completed epochs (as max_epochs does).
+            run.current_epoch += 1
+            run.batches_done = 0
+        if run.should_stop:
+            break
+    for cb in run.callbacks:
+        cb.on_fit_end(run.trainer)
+    _logs.log_final_checkpoint(run)  # committed by now (ModelCheckpoint.on_fit_end waited)
+
+
+def run_epoch(run: Run) -> None:
     """One pass over the training loader (or the rest of it, after a resume), then the epoch's end."""
-    loader = trainer._train_loader
-    first = trainer._batches_done
+    loader = run.train_loader
+    first = run.batches_done
     if callable(getattr(loader, "set_epoch", None)):
-        loader.set_epoch(trainer.current_epoch)  # keeps a restored mid-epoch position
+        loader.set_epoch(run.current_epoch)  # keeps a restored mid-epoch position
     elif callable(getattr(getattr(loader, "sampler", None), "set_epoch", None)):
-        loader.sampler.set_epoch(trainer.current_epoch)
-    trainer._epoch_finished = False
+        loader.sampler.set_epoch(run.current_epoch)
+    run.epoch_finished = False
     if not first:  # a resumed epoch keeps the restored sums of its first steps
-        trainer._epoch_sum, trainer._epoch_count = 0.0, 0
-    assert trainer.model is not None  # set up by fit() before the first epoch
-    trainer.model.train()
-    for cb in trainer._active_callbacks:
-        cb.on_train_epoch_start(trainer)
+        run.epoch_sum, run.epoch_count = 0.0, 0
+    run.model.train()
+    for cb in run.callbacks:
+        cb.on_train_epoch_start(run.trainer)
 
     # Held until the epoch's end work is done: a distkit loader closes its pass (and moves to
     # the next epoch) when the iterator goes, and a checkpoint taken at the end of an epoch cut
@@ -44,17 +61,15 @@ def run_epoch(trainer: Trainer) -> None:
         iterator = itertools.islice(iterator, first, None)
     # The hot loop reads locals only: on an overhead-bound model attribute lookups and calls are
     # a visible share of the step (benchmarks/bench_trainer.py).
-    wrapped, precision, device = trainer._wrapped, trainer._precision, trainer.device
-    assert wrapped is not None and precision is not None and device is not None
+    wrapped, precision, device = run.wrapped, run.precision, run.device
     move = device.type != "cpu"
-    accumulate = trainer.accumulate_grad_batches
-    strategy = trainer._strategy
-    assert strategy is not None and trainer._step_module is not None
-    accumulation, poison, params = strategy.accumulation, strategy.poisoned_backward, trainer._params
-    per_device = trainer._step_module.per_device
+    accumulate = run.trainer.accumulate_grad_batches
+    strategy = run.strategy
+    accumulation, poison, params = strategy.accumulation, strategy.poisoned_backward, run.params
+    per_device = run.per_device
     plain = precision.dtype is None and precision.scaler is None
-    last_index = trainer._num_batches - 1
-    generators = trainer._generators
+    last_index = run.num_batches - 1
+    generators = run.generators
     one_generator = len(generators) == 1
     cpu_generator = generators[0]
     micro_losses: list[torch.Tensor] = []
@@ -64,7 +79,7 @@ def run_epoch(trainer: Trainer) -> None:
             batch = to_device(batch, device)
         if accumulate == 1 or not micro_losses:
             # The step's first micro-batch: what a stop request would give back (about 1 us).
-            trainer._states_at_step = (
+            run.states_at_step = (
                 [cpu_generator.get_state()] if one_generator else [gen.get_state() for gen in generators]
             )
         sync = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx == last_index
@@ -79,15 +94,15 @@ def run_epoch(trainer: Trainer) -> None:
             # The one host sync of a micro-batch, after the forward pass.
             value = loss.item()
             scaled = loss / accumulate if accumulate > 1 else loss
-            if trainer._request_stop or not math.isfinite(value):
+            if run.request_stop or not math.isfinite(value):
                 poison(precision.backward, scaled, params)
             else:
                 precision.backward(scaled)
         if extras:
-            _logs.add_extras(trainer, extras, first=accumulate == 1 or not micro_losses)
-        trainer._batches_done = batch_idx + 1
+            _logs.add_extras(run, extras, first=accumulate == 1 or not micro_losses)
+        run.batches_done = batch_idx + 1
         if accumulate == 1:
-            if optimizer_step(trainer, loss.detach(), value, 1):
+            if optimizer_step(run, loss.detach(), value, 1):
                 break
             continue
         micro_losses.append(loss.detach())
@@ -97,11 +112,11 @@ def run_epoch(trainer: Trainer) -> None:
         micro = len(micro_losses)
         step_loss, step_value = torch.stack(micro_losses).mean(), micro_sum / micro
         micro_losses, micro_sum = [], 0.0
-        if optimizer_step(trainer, step_loss, step_value, micro):
+        if optimizer_step(run, step_loss, step_value, micro):
             break
-    if not trainer._preempted:
-        trainer._epoch_finished = trainer._batches_done >= trainer._num_batches
-        _evaluate.end_epoch(trainer)
+    if not run.preempted:
+        run.epoch_finished = run.batches_done >= run.num_batches
+        _evaluate.end_epoch(run)
     del iterator
     # The pass is over, so the loader has moved on by itself: nothing more to give back.
-    trainer._given_back = 0
+    run.given_back = 0

@@ -18,27 +18,25 @@ from distkit.trainer._loop.batches import batch_size, metric_value, to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
-def validate(trainer: Trainer) -> dict[str, tuple[Any, float]]:
+def validate(run: Run) -> dict[str, tuple[Any, float]]:
     """Validation sums and counts of every metric on this rank (reduced by the caller). Collective
     under FSDP (see :func:`lockstep_repeats`)."""
-    module, device, precision = trainer.model, trainer.device, trainer._precision
-    assert module is not None and device is not None and precision is not None
-    strategy = trainer._strategy
-    assert strategy is not None
+    module, device, precision = run.model, run.device, run.precision
+    strategy = run.strategy
     sums = evaluate(
         module,
-        trainer._val_loader,
+        run.val_loader,
         device=device,
         precision=precision,
-        loss_fn=trainer._loss_fn,
-        metric_fns=trainer._metric_fns,
+        loss_fn=run.loss_fn,
+        metric_fns=run.metric_fns,
         lockstep=strategy.lockstep_forward,
         prefix="val",
     )
@@ -161,7 +159,7 @@ def lockstep_repeats(loader: Any) -> int:
     return int(most - mine)
 
 
-def validate_now(trainer: Trainer) -> dict[str, float]:
+def validate_now(run: Run) -> dict[str, float]:
     """Validation every ``val_check_interval`` optimizer steps, mid-epoch: one collective for its
     metrics, then ``on_validation_end`` and the loggers. Collective.
 
@@ -170,40 +168,40 @@ def validate_now(trainer: Trainer) -> dict[str, float]:
     iterator takes a seed from the global one) is then in the saved state, and a run resumed
     from that checkpoint goes on exactly as the uninterrupted one.
     """
-    metrics = reduce_metrics(validate(trainer))
-    trainer._last_validation = (trainer.global_step, dict(metrics))
-    trainer.callback_metrics.update(metrics)
-    for cb in trainer._active_callbacks:
-        cb.on_validation_end(trainer, metrics)
-    _logs.write(trainer, metrics)
+    metrics = reduce_metrics(validate(run))
+    run.last_validation = (run.global_step, dict(metrics))
+    run.callback_metrics.update(metrics)
+    for cb in run.callbacks:
+        cb.on_validation_end(run.trainer, metrics)
+    _logs.write(run, metrics)
     return metrics
 
 
-def end_epoch(trainer: Trainer) -> None:
+def end_epoch(run: Run) -> None:
     """Validate (unless it was done at this very step), reduce the epoch's metrics in one
     collective, run the epoch-end hooks, and agree on stopping."""
-    every = trainer.check_val_every_n_epoch
-    due = trainer._val_loader is not None and every is not None and (trainer.current_epoch + 1) % every == 0
-    done_at, done_metrics = trainer._last_validation
-    already = due and done_at == trainer.global_step
-    local = validate(trainer) if due and not already else {}
-    local["train_loss_epoch"] = (trainer._epoch_sum, float(trainer._epoch_count))
+    every = run.trainer.check_val_every_n_epoch
+    due = run.val_loader is not None and every is not None and (run.current_epoch + 1) % every == 0
+    done_at, done_metrics = run.last_validation
+    already = due and done_at == run.global_step
+    local = validate(run) if due and not already else {}
+    local["train_loss_epoch"] = (run.epoch_sum, float(run.epoch_count))
     # The epoch end's one collective for metrics: the training loss and every validation sum
     # and count at once.
     metrics = reduce_metrics(local)
-    metrics["epoch"] = float(trainer.current_epoch)
+    metrics["epoch"] = float(run.current_epoch)
     if already:
         # Validated mid-epoch at this step (val_check_interval): the epoch's metrics carry it.
         metrics = {**done_metrics, **metrics}
-    trainer.callback_metrics.update(metrics)
+    run.callback_metrics.update(metrics)
     if due and not already:
-        trainer._last_validation = (trainer.global_step, dict(metrics))
-        for cb in trainer._active_callbacks:
-            cb.on_validation_end(trainer, metrics)
-    _logs.write(trainer, metrics)
-    if trainer.lr_scheduler is not None and trainer._scheduler_interval == "epoch":
-        trainer.lr_scheduler.step()
-    for cb in trainer._active_callbacks:
-        cb.on_train_epoch_end(trainer, metrics)
+        run.last_validation = (run.global_step, dict(metrics))
+        for cb in run.callbacks:
+            cb.on_validation_end(run.trainer, metrics)
+    _logs.write(run, metrics)
+    if run.lr_scheduler is not None and run.scheduler_interval == "epoch":
+        run.lr_scheduler.step()
+    for cb in run.callbacks:
+        cb.on_train_epoch_end(run.trainer, metrics)
     # Built-in callbacks decide from identical metrics, a user's callback may not: agree once.
-    trainer._should_stop = any_rank(trainer._should_stop)
+    run.should_stop = any_rank(run.should_stop)

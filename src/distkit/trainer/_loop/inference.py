@@ -25,31 +25,29 @@ from distkit.trainer import launch, strategies
 from distkit.trainer._loop import evaluate as _evaluate, model_io as _model_io, setup as _setup
 from distkit.trainer._loop.batches import to_device
 from distkit.trainer.precision import Precision
+from distkit.trainer.strategies._fsdp import is_sharded
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Options, Outcome, Run
 
 __all__: list[str] = []
 
 
-def _is_sharded(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return False
-    return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
 def _prepare(
-    trainer: Trainer, model: nn.Module, data: Any, ckpt_path: str | os.PathLike[str] | None
-) -> tuple[Any, Precision, bool]:
-    """Join the job, put the model on this rank's device (loading ``ckpt_path``), and load ``data``.
-    Collective under a launcher (the process group)."""
+    trainer: Options,
+    shown: Run | Outcome,
+    model: nn.Module,
+    data: Any,
+    ckpt_path: str | os.PathLike[str] | None,
+) -> tuple[Any, Precision, bool, torch.device]:
+    """Join the job, put the model on this rank's device (loading ``ckpt_path``), and load
+    ``data``; the Trainer shows the job's size and this device (``shown``). Collective under a
+    launcher (the process group)."""
     plan = strategies.resolve(trainer.strategy, trainer.devices)
     _setup.join_job(plan)
-    trainer.world_size = runtime.get_world_size()
-    trainer.device = device = plan.device()
-    sharded = _is_sharded(model)
+    shown.world_size = world_size = runtime.get_world_size()
+    shown.device = device = plan.device()
+    sharded = is_sharded(model)
     if not sharded:
         model.to(device)
     if ckpt_path is not None:
@@ -57,12 +55,13 @@ def _prepare(
         load_checkpoint(ckpt_path, {"model": model}, strict=True)
     precision = Precision(trainer.precision, device, autocast=True)
     batch = trainer.val_batch_size * (len(plan.cuda_indices) if plan.kind == "dp" else 1)
-    loader = _setup.make_loader(trainer, data, batch, evaluation=True)
-    return loader, precision, sharded
+    loader = _setup.make_loader(trainer, data, batch, evaluation=True, world_size=world_size)
+    return loader, precision, sharded, device
 
 
 def evaluate(
-    trainer: Trainer,
+    trainer: Options,
+    shown: Run | Outcome,
     prefix: str,
     model: nn.Module,
     data: Any,
@@ -77,13 +76,13 @@ def evaluate(
         kwargs = {"ckpt_path": ckpt_path, "loss_fn": loss_fn, "metrics": metrics}
         method = "validate" if prefix == "val" else "test"
         result: dict[str, float] = launch.run_method(trainer, plan, method, model, (data,), kwargs)
-        trainer.callback_metrics.update(result)
+        shown.callback_metrics.update(result)
         return result
-    loader, precision, sharded = _prepare(trainer, model, data, ckpt_path)
+    loader, precision, sharded, device = _prepare(trainer, shown, model, data, ckpt_path)
     sums = _evaluate.evaluate(
         model,
         loader,
-        device=trainer.device,  # type: ignore[arg-type]
+        device=device,
         precision=precision,
         loss_fn=loss_fn,
         metric_fns=dict(metrics or {}),
@@ -98,13 +97,14 @@ def evaluate(
             f"dict of metrics."
         )
     result = reduce_metrics(sums)  # one collective for every metric
-    trainer.callback_metrics.update(result)
+    shown.callback_metrics.update(result)
     return result
 
 
 @torch.no_grad()
 def predict(
-    trainer: Trainer,
+    trainer: Options,
+    shown: Run | Outcome,
     model: nn.Module,
     data: Any,
     *,
@@ -125,7 +125,9 @@ def predict(
     # A dataset's samples carry their index, so that the predictions go back into dataset order
     # whatever the split; a DataLoader given as it is yields its own batches, kept in rank order.
     indexed = _setup.makes_loader(data)
-    loader, precision, sharded = _prepare(trainer, model, _Indexed(data) if indexed else data, ckpt_path)
+    loader, precision, sharded, device = _prepare(
+        trainer, shown, model, _Indexed(data) if indexed else data, ckpt_path
+    )
     predict_step = getattr(model, "predict_step", None)
     was_training = model.training
     model.eval()
@@ -141,7 +143,7 @@ def predict(
                 index, batch = batch
                 indices.append(index)
                 size = len(index)
-            batch = last = to_device(batch, trainer.device)  # type: ignore[arg-type]
+            batch = last = to_device(batch, device)
         with precision.autocast():
             if callable(predict_step):
                 output = predict_step(last, max(batch_idx, 0))

@@ -26,92 +26,89 @@ from distkit.collectives import all_gather_object
 from distkit.errors import DistkitError
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
-def scan_gradients(trainer: Trainer) -> float:
+def scan_gradients(run: Run) -> float:
     """The sentinel's stand-in when it got no gradient or some parameters may go unused."""
-    strategy = trainer._strategy
-    assert strategy is not None  # set up by fit() before the first step
+    strategy = run.strategy
     local = strategy.local
-    grads = [local(p.grad) for p in trainer._params if p.grad is not None]
+    grads = [local(p.grad) for p in run.params if p.grad is not None]
     firsts = [grad.reshape(-1)[0].float() for grad in grads if grad.numel() > 0]
     # Under find_unused_parameters a rank's poison reaches the parameters that rank used; the
     # sum of first elements is nan if any of them is.
-    total = torch.stack(firsts).sum() if firsts else torch.zeros((), device=trainer.device)
+    total = torch.stack(firsts).sum() if firsts else torch.zeros((), device=run.device)
     return strategy.agreed(total)
 
 
-def agree(trainer: Trainer, value: float, micro: int) -> tuple[bool | None, bool]:
+def agree(run: Run, value: float, micro: int) -> tuple[bool | None, bool]:
     """The rare path, when the sentinel is not finite: learn why from every rank and decide.
 
     Collective: one small gather, reached by every rank at the same step because the sentinel
     is the same on every rank. Returns ``(take_step, stop_now)``; ``take_step`` is ``None`` when
     a stop request discarded the step (its batches and RNG draws are given back).
     """
-    mine = (value, trainer._preempt_requested, trainer._request_stop and not trainer._preempt_requested)
+    mine = (value, run.preempt_requested, run.request_stop and not run.preempt_requested)
     everyone = all_gather_object(mine)
     bad = [rank for rank, (loss, _, _) in enumerate(everyone) if not math.isfinite(loss)]
     preempt = any(flag for _, flag, _ in everyone)
     stop = preempt or any(flag for _, _, flag in everyone)
-    trainer._request_stop = False
+    run.request_stop = False
     if stop and not bad:
-        discard(trainer, micro, preempt)
+        discard(run, micro, preempt)
         return None, True
     if stop:
-        trainer._should_stop = True
-        trainer._job_preempt = preempt
+        run.should_stop = True
+        run.job_preempt = preempt
     if bad:
-        skip(trainer, f"non-finite loss on rank(s) {bad}", bad)
+        skip(run, f"non-finite loss on rank(s) {bad}", bad)
         return False, stop
     # Every loss finite, no stop: the gradients themselves overflowed. Under fp16 that is the
     # scaler's business (it skips the step and lowers the scale); otherwise skip the step.
-    if trainer._precision is not None and trainer._precision.scaler is not None:
-        trainer._nonfinite_run.clear()
+    if run.precision is not None and run.precision.scaler is not None:
+        run.nonfinite_run.clear()
         return True, False
-    skip(trainer, "non-finite gradients (every loss was finite)", [])
+    skip(run, "non-finite gradients (every loss was finite)", [])
     return False, False
 
 
-def discard(trainer: Trainer, micro: int, preempt: bool) -> None:
+def discard(run: Run, micro: int, preempt: bool) -> None:
     """Undo the step in flight for a stop request: no update, its batches and RNG draws back."""
-    assert trainer.optimizer is not None
-    trainer.optimizer.zero_grad(set_to_none=True)
-    for p in trainer._params:
+    run.optimizer.zero_grad(set_to_none=True)
+    for p in run.params:
         p.grad = None  # also the poisoned ones the optimizer does not hold
-    for generator, state in zip(trainer._generators, trainer._states_at_step, strict=True):
+    for generator, state in zip(run.generators, run.states_at_step, strict=True):
         generator.set_state(state)
-    if trainer._extras_at_step is not None and trainer._extras_at_step[0] == trainer.global_step:
-        _, trainer._extra_sums, trainer._extra_count = trainer._extras_at_step
-    trainer._batches_done -= micro
-    trainer._given_back = micro
-    trainer._should_stop = True
-    trainer._job_preempt = preempt
+    if run.extras_at_step is not None and run.extras_at_step[0] == run.global_step:
+        _, run.extra_sums, run.extra_count = run.extras_at_step
+    run.batches_done -= micro
+    run.given_back = micro
+    run.should_stop = True
+    run.job_preempt = preempt
 
 
-def skip(trainer: Trainer, why: str, ranks: list[int]) -> None:
+def skip(run: Run, why: str, ranks: list[int]) -> None:
     """Count a step skipped on every rank; raise after ``max_consecutive_nonfinite`` in a row."""
-    assert trainer.optimizer is not None and trainer._strategy is not None
-    local = trainer._strategy.local
-    for p in trainer._params:
+    local = run.strategy.local
+    for p in run.params:
         grad = None if p.grad is None else local(p.grad)
         if grad is not None and grad.numel() and not math.isfinite(grad.reshape(-1)[0].item()):
             p.grad = None  # a poisoned gradient the optimizer does not clear
-    step = trainer.global_step + 1
-    trainer.skipped_steps += 1
-    trainer._nonfinite_run.append(step)
-    _log.warning("step %d skipped on every rank: %s (%d in a row)", step, why, len(trainer._nonfinite_run))
-    if len(trainer._nonfinite_run) >= trainer.max_consecutive_nonfinite:
+    step = run.global_step + 1
+    run.skipped_steps += 1
+    run.nonfinite_run.append(step)
+    _log.warning("step %d skipped on every rank: %s (%d in a row)", step, why, len(run.nonfinite_run))
+    if len(run.nonfinite_run) >= run.trainer.max_consecutive_nonfinite:
         where = f", last on rank(s) {ranks}" if ranks else ""
         raise DistkitError(
             f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the loss or gradients were "
-            f"non-finite (nan or inf) for {len(trainer._nonfinite_run)} consecutive optimizer steps "
-            f"{trainer._nonfinite_run}{where}; every rank skipped them ({why}). Lower the learning "
+            f"non-finite (nan or inf) for {len(run.nonfinite_run)} consecutive optimizer steps "
+            f"{run.nonfinite_run}{where}; every rank skipped them ({why}). Lower the learning "
             f"rate, set gradient_clip_val, check the data for nan/inf, or use "
             f"precision='bf16-mixed' instead of '16-mixed'; raise max_consecutive_nonfinite (now "
-            f"{trainer.max_consecutive_nonfinite}) to tolerate longer runs."
+            f"{run.trainer.max_consecutive_nonfinite}) to tolerate longer runs."
         )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from distkit import runtime
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
@@ -25,7 +25,7 @@ class _Preempted(SystemExit):
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
-def install_handler(trainer: Trainer) -> Any:
+def install_handler(run: Run) -> Any:
     """Route SIGTERM to a flag; returns what to restore (``None``: nothing was installed)."""
     if threading.current_thread() is not threading.main_thread():
         return None  # Python sets signal handlers from the main thread only
@@ -34,39 +34,39 @@ def install_handler(trainer: Trainer) -> Any:
         previous = signal.SIG_DFL
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        if trainer._preempt_requested:
+        if run.preempt_requested:
             # A second SIGTERM: the first was not acted on (this rank is stuck outside the step
             # loop, or the others are). Terminate as if fit() had not been running.
             signal.signal(signal.SIGTERM, previous)
             signal.raise_signal(signal.SIGTERM)
             return
         # Only flags: the next backward pass tells every rank (see the module docs).
-        trainer._preempt_requested = True
-        trainer._request_stop = True
+        run.preempt_requested = True
+        run.request_stop = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
     return previous
 
 
-def restore_handler(trainer: Trainer, previous: Any) -> None:
+def restore_handler(run: Run, previous: Any) -> None:
     """Put back the SIGTERM handler :func:`install_handler` replaced; deliver a late SIGTERM."""
     if previous is None:
         return
     signal.signal(signal.SIGTERM, previous)
-    if trainer._preempt_requested and not trainer._preempted:
+    if run.preempt_requested and not run.preempted:
         # The signal came after the last step; deliver it as if fit() had not been running.
         signal.raise_signal(signal.SIGTERM)
 
 
-def preempt(trainer: Trainer) -> None:
+def preempt(run: Run) -> None:
     """Every rank agreed that some rank got SIGTERM: save a checkpoint and leave ``fit``."""
     _log.warning(
-        "SIGTERM received: saving a checkpoint at step %d, then exiting with code 0", trainer.global_step
+        "SIGTERM received: saving a checkpoint at step %d, then exiting with code 0", run.global_step
     )
-    checkpoint = trainer._checkpoint_callback()
+    checkpoint = run.checkpoint
     if checkpoint is not None:
-        checkpoint.save(trainer, None)
+        checkpoint.save(run.trainer, None)
         checkpoint.manager.wait()
     else:
         _log.warning("no ModelCheckpoint callback: nothing was saved before exiting")
-    trainer._preempted = True
+    run.preempted = True

@@ -3,10 +3,11 @@ scheduler, loaders, callbacks, the checkpoint directory's claim and the resume."
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,13 +20,14 @@ from distkit.data import DistributedLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
 from distkit.trainer import schedules
-from distkit.trainer._loop import report as _report
+from distkit.trainer._loop import report as _report, state as _state
 from distkit.trainer._loop.state import (
     _is_inside,
     _rebind,
     _track_optimizer_steps,
 )
 from distkit.trainer._loop.step import _StepModule
+from distkit.trainer._run import Options, Run, checkpoint_callback
 from distkit.trainer.callbacks import Callback, ModelCheckpoint
 from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger
@@ -36,7 +38,7 @@ from distkit.trainer.strategies._fsdp import FSDPStrategyRunner
 
 if TYPE_CHECKING:
     from distkit.trainer import strategies
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer.callbacks import TrainerView
 
 __all__: list[str] = []
 
@@ -44,100 +46,151 @@ _log = runtime.get_logger("distkit.trainer", main_process_only=True)
 
 
 def setup(
-    trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any, optimizer: Any, lr_scheduler: Any
-) -> None:
-    """Everything ``fit`` sets up before the loop, in order. Collective (process group, DDP's or FSDP's
-    set-up, the checkpoint claim and the resume)."""
-    plan = trainer._plan
-    assert plan is not None  # fit() sets it first
+    trainer: Options,
+    stack: contextlib.ExitStack,
+    plan: strategies._Plan,
+    model: nn.Module,
+    data: tuple[Any, Any],
+    optimizer: Any,
+    lr_scheduler: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    metric_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]],
+    scheduler_interval: str,
+    on_run: Callable[[Run], None],
+) -> Run:
+    """Everything ``fit`` sets up before the loop, in order; the run it made. Collective (process
+    group, DDP's or FSDP's set-up, the checkpoint claim and the resume).
+
+    What must be undone at the end of ``fit`` (the hang doctor's settings, the strategy's wrapping,
+    a progress bar) goes on ``stack`` as soon as it is made, so a failure half-way undoes it too.
+    ``on_run`` gets the run as soon as it exists, before the scheduler factory, the callbacks'
+    set-up and the resume, which read the Trainer's properties over it.
+    """
+    train_data, val_data = data
     if plan.world_size > 1:
         join_job(plan)
         # From here on a rank that waits too long is reported (the set-up's own collectives
         # included: the checkpoint claim, the resume's gathers).
-        trainer._restore_hang = runtime._watch_fit(trainer, trainer.hang_timeout_s, trainer.default_root_dir)
-    trainer.world_size = runtime.get_world_size()
+        stack.callback(runtime._watch_fit(trainer, trainer.hang_timeout_s, trainer.default_root_dir))
+    world_size = runtime.get_world_size()
     # Before DDP compares the parameters' shapes: every rank parsed the same TrainerCLI config.
     _run_config.check_ranks_agree(trainer)
-    trainer.device = plan.device()
+    device = plan.device()
     if trainer.seed is not None:
         # workers=False: the Trainer hands the seed to its own loaders; the process-wide default
         # seed of loaders made elsewhere stays as it was.
         seed_everything(trainer.seed, workers=False, per_rank=trainer.seed_per_rank)
 
-    trainer.model = model
-    trainer._model_class = type(model)  # FSDP changes the class (MLP becomes FSDPMLP)
-    strategy = trainer._strategy = _make_strategy(plan, compile=trainer.compile)
-    trainer._precision = Precision(trainer.precision, trainer.device, autocast=strategy.uses_autocast())
+    model_class = type(model)  # FSDP changes the class (MLP becomes FSDPMLP)
+    strategy = _make_strategy(plan, compile=trainer.compile)
+    precision = Precision(trainer.precision, device, autocast=strategy.uses_autocast())
     # Names of the parameters as given: a strategy that replaces them (FSDP shards them) gets
     # an optimizer made over the originals rebound to the replacements.
     names = {id(p): name for name, p in model.named_parameters()}
-    strategy.prepare(model, trainer.device, trainer.precision)
-    trainer._step_module = _StepModule(model, trainer._loss_fn, per_device=plan.kind == "dp")
-    trainer._wrapped = strategy.wrap(trainer._step_module, trainer.device)
-    trainer.optimizer = make_optimizer(trainer, model, optimizer, names)
-    trainer._params = [p for p in model.parameters() if p.requires_grad]
+    stack.callback(strategy.teardown, model)
+    strategy.prepare(model, device, trainer.precision)
+    step_module = _StepModule(model, loss_fn, per_device=plan.kind == "dp")
+    wrapped = strategy.wrap(step_module, device)
+    optimizer = make_optimizer(model, optimizer, names)
+    params = [p for p in model.parameters() if p.requires_grad]
     # Gradients the optimizer clears every step (a frozen-but-grad parameter outside it would
     # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
     # step in which a rank leaves a parameter unused, so one sentinel is then enough.
     # A one-dimensional sentinel (a bias) is the cheapest to read: grad[0].item().
-    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     # Under FSDP each rank reads its own shard: one that is not empty on this rank.
-    candidates = [p for p in trainer._params if id(p) in stepped and strategy.local(p).numel() > 0]
-    trainer._sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim()), default=None)
-    trainer._sentinel_is_vector = trainer._sentinel is not None and trainer._sentinel.dim() == 1
-    trainer._scan_all = strategy.scan_all
-    trainer._generators = [torch.default_generator]
-    if trainer.device.type == "cuda":
-        index = trainer.device.index if trainer.device.index is not None else torch.cuda.current_device()
-        trainer._generators.append(torch.cuda.default_generators[index])
+    candidates = [p for p in params if id(p) in stepped and strategy.local(p).numel() > 0]
+    sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim()), default=None)
+    generators = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
 
     # Under DP one loader batch is split over the GPUs, each of which gets `batch_size`.
-    trainer._replicas = len(plan.cuda_indices) if plan.kind == "dp" else trainer.world_size
-    per_loader = trainer.batch_size * (trainer._replicas if plan.kind == "dp" else 1)
-    trainer._train_loader = make_loader(trainer, train_data, per_loader, evaluation=False)
-    trainer._per_replica_batch = (
+    replicas = len(plan.cuda_indices) if plan.kind == "dp" else world_size
+    per_loader = trainer.batch_size * (replicas if plan.kind == "dp" else 1)
+    train_loader = make_loader(trainer, train_data, per_loader, evaluation=False, world_size=world_size)
+    per_replica_batch = (
         trainer.batch_size
         if makes_loader(train_data)
-        else int(getattr(trainer._train_loader, "batch_size", None) or trainer.batch_size)
+        else int(getattr(train_loader, "batch_size", None) or trainer.batch_size)
     )
-    val_per_loader = trainer.val_batch_size * (trainer._replicas if plan.kind == "dp" else 1)
-    trainer._val_loader = (
-        None if val_data is None else make_loader(trainer, val_data, val_per_loader, evaluation=True)
+    val_per_loader = trainer.val_batch_size * (replicas if plan.kind == "dp" else 1)
+    val_loader = (
+        None
+        if val_data is None
+        else make_loader(trainer, val_data, val_per_loader, evaluation=True, world_size=world_size)
     )
-    trainer._num_batches = len(trainer._train_loader)
-    if trainer._num_batches == 0:
+    num_batches = len(train_loader)
+    if num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
+    run = Run(
+        trainer=trainer,
+        plan=plan,
+        strategy=strategy,
+        precision=precision,
+        device=device,
+        world_size=world_size,
+        model=model,
+        model_class=model_class,
+        wrapped=wrapped,
+        per_device=step_module.per_device,
+        optimizer=optimizer,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        loss_fn=loss_fn,
+        metric_fns=metric_fns,
+        scheduler_interval=scheduler_interval,
+        params=params,
+        sentinel=sentinel,
+        sentinel_is_vector=sentinel is not None and sentinel.dim() == 1,
+        scan_all=strategy.scan_all,
+        generators=generators,
+        num_batches=num_batches,
+        per_replica_batch=per_replica_batch,
+        replicas=replicas,
+        checkpoint=checkpoint_callback(trainer.callbacks),
+    )
+    on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
-    schedules.apply_scaling(trainer)
-    trainer.lr_scheduler = make_scheduler(trainer, lr_scheduler)
-
-    trainer._active_callbacks = list(trainer.callbacks)
+    schedules.apply_scaling(run)
+    run.lr_scheduler = make_scheduler(trainer, optimizer, lr_scheduler)
 
     # A tqdm bar in a terminal, plain lines (ProgressLog) in a log file; main process only.
+    run.callbacks = list(trainer.callbacks)
     progress = _default_progress(trainer.enable_progress_bar, trainer.callbacks)
     if progress is not None and runtime.is_main_process():
-        trainer._active_callbacks.insert(0, progress)
-    checkpoint = trainer._checkpoint_callback()
+        run.callbacks.insert(0, progress)
+    stack.callback(_close_progress_bars, run.callbacks)
+    checkpoint = run.checkpoint
     if checkpoint is not None:
         checkpoint.setup(trainer)
         claim(trainer, checkpoint)
     # A TrainerCLI run's config: the same on every rank, and a resume of a changed model refused
     # before its checkpoint is loaded; then saved beside the checkpoints (docs/config.md).
     _run_config.check_resume(trainer)
-    resumed_from = restore(trainer)
+    resumed_from = restore(run)
     _run_config.save(trainer, resumed_from)
     if resumed_from is not None:
-        schedules.rescale_after_restore(trainer)
+        schedules.rescale_after_restore(run)
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.setup(trainer.default_root_dir, resumed_from)
-            logger.log_hyperparams(_report.hyperparams(trainer))
-    runtime.rank_zero_print(_report.report(trainer, resumed_from))
-    trainer._step_end_callbacks = [
-        cb for cb in trainer._active_callbacks if type(cb).on_train_step_end is not Callback.on_train_step_end
+            logger.log_hyperparams(_report.hyperparams(run))
+    runtime.rank_zero_print(_report.report(run, resumed_from))
+    run.step_end_callbacks = [
+        cb for cb in run.callbacks if type(cb).on_train_step_end is not Callback.on_train_step_end
     ]
-    for cb in trainer._active_callbacks:
+    for cb in run.callbacks:
         cb.on_fit_start(trainer)
+    return run
+
+
+def _close_progress_bars(callbacks: list[Callback]) -> None:
+    for cb in callbacks:
+        if isinstance(cb, _ProgressBar):
+            cb.close()
 
 
 def join_job(plan: strategies._Plan) -> None:
@@ -149,29 +202,20 @@ def join_job(plan: strategies._Plan) -> None:
         runtime.init(plan.options.backend, timeout_s=plan.options.timeout_s, device=explicit)
 
 
-def on_failure(trainer: Trainer, err: BaseException) -> None:
+def on_failure(trainer: Options, err: BaseException) -> None:
     """What a failed ``fit`` does before its error goes on."""
     # This rank's own error: the other ranks learn it first. A collective that failed because a
     # rank ended: one report of where every rank is, naming that rank, and this rank exits.
     runtime._on_failure(err)
     # A failed fit lets go of the checkpoint directory now, without waiting on ranks that may be
     # gone (a successful one closes it in ModelCheckpoint.on_fit_end).
-    checkpoint = trainer._checkpoint_callback()
+    checkpoint = checkpoint_callback(trainer.callbacks)
     if checkpoint is not None and checkpoint.manager is not None:
         checkpoint.manager.__exit__(type(err), err, err.__traceback__)
 
 
-def teardown(trainer: Trainer, model: nn.Module) -> None:
-    """What every ``fit`` undoes at its end, also when it fails: the strategy's wrapping, the hang
-    doctor's settings, the progress bar, and the loggers (finalised on the main process)."""
-    if trainer._strategy is not None:
-        trainer._strategy.teardown(model)
-    if trainer._restore_hang is not None:
-        trainer._restore_hang()
-        trainer._restore_hang = None
-    for cb in trainer._active_callbacks:
-        if isinstance(cb, _ProgressBar):
-            cb.close()
+def finalize_loggers(trainer: Options) -> None:
+    """Finalise the loggers on the main process, at the end of every ``fit`` (a failed one too)."""
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.finalize()
@@ -183,7 +227,7 @@ def makes_loader(data: Any) -> bool:
 
 
 def make_optimizer(
-    trainer: Trainer, model: nn.Module, optimizer: Any, names: Mapping[int, str] | None = None
+    model: nn.Module, optimizer: Any, names: Mapping[int, str] | None = None
 ) -> torch.optim.Optimizer:
     """The optimizer passed (rebound to replaced parameters), or the one the factory makes; it must
     hold this model's parameters only. Local."""
@@ -209,8 +253,9 @@ def make_optimizer(
     return optimizer
 
 
-def make_scheduler(trainer: Trainer, lr_scheduler: Any) -> Any:
-    """The scheduler passed, or the one the factory makes over the Trainer's optimizer. Local."""
+def make_scheduler(trainer: TrainerView, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> Any:
+    """The scheduler passed, or the one the factory makes over ``optimizer`` (the Trainer's).
+    Local."""
     if lr_scheduler is None:
         return None
     if not callable(getattr(lr_scheduler, "step", None)):
@@ -218,10 +263,8 @@ def make_scheduler(trainer: Trainer, lr_scheduler: Any) -> Any:
             raise TypeError(
                 f"lr_scheduler must be a scheduler or a function of the optimizer, got {lr_scheduler!r}."
             )
-        lr_scheduler = lr_scheduler(
-            *((trainer.optimizer, trainer) if _takes_trainer(lr_scheduler) else (trainer.optimizer,))
-        )
-    if getattr(lr_scheduler, "optimizer", trainer.optimizer) is not trainer.optimizer:
+        lr_scheduler = lr_scheduler(*((optimizer, trainer) if _takes_trainer(lr_scheduler) else (optimizer,)))
+    if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError(
             "lr_scheduler belongs to another optimizer than the one given to fit(); make it from that "
             "optimizer, or pass a function of the optimizer."
@@ -244,8 +287,9 @@ def _takes_trainer(factory: Any) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: bool) -> Any:
-    """A distkit loader over a dataset, or a loader given as it is (warning when it is not sharded)."""
+def make_loader(trainer: Options, data: Any, batch_size: int, *, evaluation: bool, world_size: int) -> Any:
+    """A distkit loader over a dataset, or a loader given as it is (warning when it is not sharded
+    over ``world_size`` processes)."""
     if makes_loader(data):
         return distributed_dataloader(
             data,
@@ -257,7 +301,7 @@ def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: boo
         )
     sampler = getattr(data, "sampler", None)
     if (
-        trainer.world_size > 1
+        world_size > 1
         and isinstance(data, torch.utils.data.DataLoader)
         and not isinstance(sampler, torch.utils.data.DistributedSampler)
         and not isinstance(data.dataset, torch.utils.data.IterableDataset)
@@ -265,12 +309,12 @@ def make_loader(trainer: Trainer, data: Any, batch_size: int, *, evaluation: boo
         _log.warning(
             "a DataLoader without a DistributedSampler was given to a %d-process fit(): every rank "
             "loads the whole dataset. Pass the dataset itself to have it sharded.",
-            trainer.world_size,
+            world_size,
         )
     return data
 
 
-def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
+def claim(trainer: Options, checkpoint: ModelCheckpoint) -> None:
     """Take the checkpoint directory before training, not at the first save an epoch later.
 
     Collective. ``resume="auto"`` claims in ``restore()``; a checkpoint path inside the
@@ -279,8 +323,11 @@ def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
     """
     if trainer.resume == "auto":
         return
-    assert checkpoint.directory is not None  # checkpoint.setup() ran
-    resuming = trainer.resume is not None and _is_inside(trainer.resume, checkpoint.directory)
+    resuming = (
+        trainer.resume is not None
+        and checkpoint.directory is not None
+        and _is_inside(trainer.resume, checkpoint.directory)
+    )
     try:
         checkpoint.manager.claim(resuming=resuming)
     except CheckpointConflictError as err:
@@ -300,51 +347,50 @@ def claim(trainer: Trainer, checkpoint: ModelCheckpoint) -> None:
         ) from None
 
 
-def restore(trainer: Trainer) -> int | None:
-    """Restore from ``trainer.resume``; the step resumed from, or ``None`` for a fresh start.
+def restore(run: Run) -> int | None:
+    """Restore from the Trainer's ``resume``; the step resumed from, or ``None`` for a fresh start.
 
     Collective with ``resume="auto"`` (the ranks check they restored the same step).
     """
-    if trainer.resume is None:
+    resume = run.trainer.resume
+    if resume is None:
         return None
-    state = trainer.checkpoint_state()
+    state = _state.checkpoint_state(run)
     progress = state["progress"]
-    checkpoint = trainer._checkpoint_callback()
-    if trainer.resume == "auto" and checkpoint is None:
-        raise ValueError(
-            "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
-            "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
-        )
+    checkpoint = run.checkpoint
     try:
-        if trainer.resume == "auto":
-            assert checkpoint is not None
-            if checkpoint.manager.restore(state) is None:
-                _log.info(
-                    "resume='auto': no checkpoint in %s yet, starting from step 0",
-                    redact_url(str(checkpoint.directory)),
-                )
-                return None
-        else:
-            load_checkpoint(trainer.resume, state)
+        if resume != "auto":
+            load_checkpoint(resume, state)
+        elif checkpoint is None:
+            raise ValueError(
+                "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
+                "off; pass enable_checkpointing=True or a ModelCheckpoint callback."
+            )
+        elif checkpoint.manager.restore(state) is None:
+            _log.info(
+                "resume='auto': no checkpoint in %s yet, starting from step 0",
+                redact_url(str(checkpoint.directory)),
+            )
+            return None
     except Exception as err:
         # Every rank loads the same checkpoint into the same model, so every rank raises this.
         changed = _changed_parameters(err)
         if not changed:
             raise
-        raise DistkitError(_changed_model_message(trainer, changed)) from err
-    trainer.global_step = progress.global_step
-    trainer.current_epoch = progress.epoch
-    trainer._batches_done = progress.batches_in_epoch
-    loader = trainer._train_loader
+        raise DistkitError(_changed_model_message(run, changed)) from err
+    run.global_step = progress.global_step
+    run.current_epoch = progress.epoch
+    run.batches_done = progress.batches_in_epoch
+    loader = run.train_loader
     if isinstance(loader, DistributedLoader) and loader.epoch == progress.epoch:
         # Saved by another number of ranks, the loader re-splits the rest of the epoch and numbers
         # its batches as the epoch's last ones (docs/data.md, "Resuming on another number of
         # ranks"); on the same number of ranks it holds the saved count.
-        trainer._batches_done = loader.state_dict()["batches_consumed"]
-    if trainer._batches_done and "train_loader" not in state:
+        run.batches_done = loader.state_dict()["batches_consumed"]
+    if run.batches_done and "train_loader" not in state:
         # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
-        _log.info("resuming epoch %d by skipping %d batch(es)", trainer.current_epoch, trainer._batches_done)
-    return trainer.global_step
+        _log.info("resuming epoch %d by skipping %d batch(es)", run.current_epoch, run.batches_done)
+    return run.global_step
 
 
 # What torch says when a checkpoint's module does not fit the model: load_state_dict (a full
@@ -395,10 +441,10 @@ def _changed_line(name: str, saved: str | None, current: str | None) -> str:
     return f"{name}: {saved} in the checkpoint, {current} in this model"
 
 
-def _changed_model_message(trainer: Trainer, changed: list[tuple[str, str | None, str | None]]) -> str:
+def _changed_model_message(run: Run, changed: list[tuple[str, str | None, str | None]]) -> str:
     """The refusal of a resume into a model that differs from the checkpoint's (as TrainerCLI's
     refusal of a changed ``model.*`` configuration, for the plain Trainer)."""
-    checkpoint = trainer._checkpoint_callback()
+    trainer, checkpoint = run.trainer, run.checkpoint
     directory = redact_url(str(checkpoint.directory)) if checkpoint is not None else None
     source = (
         f"the checkpoints in {directory}" if trainer.resume == "auto" else redact_url(str(trainer.resume))

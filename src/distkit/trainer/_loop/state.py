@@ -20,7 +20,7 @@ from distkit.trainer._loop import logs as _logs
 from distkit.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
@@ -91,41 +91,41 @@ class _Counters:
     cover the resumed steps only, as they used to).
     """
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: gathers every rank's partial sums (checkpoint saves run on every rank)."""
-        trainer = self.trainer
-        if trainer._log_pending:
+        run = self.run
+        if run.log_pending:
             # Saved from on_train_step_end at a logging step, before the Trainer logged it: log
             # first (a collective, as this save is), so the checkpoint holds the step's state after
             # its log, which is where the uninterrupted run goes on from. The callbacks' state is
             # collected after this entry, so it includes what their on_log hooks did.
-            _logs.log_step(trainer)
+            _logs.log_step(run)
         return {
-            "skipped_steps": trainer.skipped_steps,
-            "nonfinite_run": list(trainer._nonfinite_run),
-            "callback_metrics": _plain_metrics(trainer.callback_metrics),
+            "skipped_steps": run.skipped_steps,
+            "nonfinite_run": list(run.nonfinite_run),
+            "callback_metrics": _plain_metrics(run.callback_metrics),
             "world_size": runtime.get_world_size(),
-            "log_sums": all_gather_object(_logs.log_sums(trainer)),
+            "log_sums": all_gather_object(_logs.log_sums(run)),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        trainer = self.trainer
-        trainer.skipped_steps = int(state["skipped_steps"])
-        trainer._nonfinite_run = [int(step) for step in state.get("nonfinite_run", [])]
-        trainer.callback_metrics = dict(state.get("callback_metrics", {}))
+        run = self.run
+        run.skipped_steps = int(state["skipped_steps"])
+        run.nonfinite_run = [int(step) for step in state.get("nonfinite_run", [])]
+        run.callback_metrics = dict(state.get("callback_metrics", {}))
         saved = state.get("log_sums")
         if saved is None:
             return
         rank, world_size = runtime.get_rank(), runtime.get_world_size()
         if int(state["world_size"]) == world_size and len(saved) == world_size:
-            _logs.load_log_sums(trainer, saved[rank])
+            _logs.load_log_sums(run, saved[rank])
         elif rank == 0:
             # Another world size: one rank carries the job's totals, so the next reduction (a sum
             # over ranks) still covers every saved step, up to rounding.
-            _logs.load_log_sums(trainer, _merged_log_sums(saved))
+            _logs.load_log_sums(run, _merged_log_sums(saved))
 
 
 def _plain_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -192,89 +192,24 @@ def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
     return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir
 
 
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+def checkpoint_state(run: Run) -> dict[str, Any]:
     """What :meth:`Trainer.checkpoint_state` returns (its docstring tells the contract)."""
-    if trainer._epoch_finished:
-        epoch, batches = trainer.current_epoch + 1, 0
+    if run.epoch_finished:
+        epoch, batches = run.current_epoch + 1, 0
     else:
-        epoch, batches = trainer.current_epoch, trainer._batches_done
+        epoch, batches = run.current_epoch, run.batches_done
     state: dict[str, Any] = {
-        "model": trainer.model,
-        "optimizer": trainer.optimizer,
-        "progress": ResumeState(epoch=epoch, global_step=trainer.global_step, batches_in_epoch=batches),
-        "counters": _Counters(trainer),
-        "callbacks": _CallbackStates(trainer.callbacks),
+        "model": run.model,
+        "optimizer": run.optimizer,
+        "progress": ResumeState(epoch=epoch, global_step=run.global_step, batches_in_epoch=batches),
+        "counters": _Counters(run),
+        "callbacks": _CallbackStates(run.trainer.callbacks),
     }
-    if trainer.lr_scheduler is not None:
-        state["lr_scheduler"] = trainer.lr_scheduler
-    if trainer._precision is not None and trainer._precision.scaler is not None:
-        state["scaler"] = trainer._precision.scaler
-    if callable(getattr(trainer._train_loader, "state_dict", None)):
-        loader = trainer._train_loader
-        state["train_loader"] = _GivenBack(loader, trainer._given_back) if trainer._given_back else loader
+    if run.lr_scheduler is not None:
+        state["lr_scheduler"] = run.lr_scheduler
+    if run.precision.scaler is not None:
+        state["scaler"] = run.precision.scaler
+    if callable(getattr(run.train_loader, "state_dict", None)):
+        loader = run.train_loader
+        state["train_loader"] = _GivenBack(loader, run.given_back) if run.given_back else loader
     return state
-
-
-def reset_run_state(trainer: Trainer) -> None:
-    """Set what one ``fit`` sets up and uses (none of it is configuration), before set-up. Local."""
-    trainer._should_stop = False
-    trainer._plan = None
-    trainer._strategy = None
-    trainer._model_class = nn.Module
-    trainer._step_module = None
-    trainer._wrapped = None
-    trainer._precision = None
-    trainer._train_loader = None
-    trainer._val_loader = None
-    trainer._loss_fn = None
-    trainer._metric_fns = {}
-    trainer._scheduler_interval = "step"
-    trainer._active_callbacks = []
-    # The callbacks that override on_train_step_end, called every step.
-    trainer._step_end_callbacks = []
-    # Batches per epoch on this rank, samples per loader batch, and data-parallel replicas
-    # (ranks, or GPUs under DP) for the effective batch size.
-    trainer._num_batches = 0
-    trainer._per_replica_batch = trainer.batch_size
-    trainer._replicas = 1
-    # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
-    trainer._batches_done = 0
-    trainer._epoch_finished = False
-    # Stop requests: this rank wants every rank to stop (SIGTERM or should_stop); SIGTERM seen on
-    # this rank; agreed by the job; handled (checkpoint saved).
-    trainer._request_stop = False
-    trainer._preempt_requested = False
-    trainer._job_preempt = False
-    trainer._preempted = False
-    trainer._nonfinite_run = []
-    # What a poisoned backward pass turns to nan, and what is read to see it: one element of the
-    # sentinel's gradient, or of every gradient when some parameters may go unused in a step.
-    trainer._params = []
-    trainer._sentinel = None
-    trainer._sentinel_is_vector = False
-    trainer._scan_all = False
-    # The generators a forward pass draws from (CPU, and this rank's CUDA device), their states
-    # at the start of the step in flight (given back when a stop request discards that step),
-    # and the batches a discarded step gave back to the loader.
-    trainer._generators = []
-    trainer._states_at_step = []
-    trainer._given_back = 0
-    # Training loss since the last logging step and over the epoch (this rank's step losses, as
-    # Python floats: reduced across ranks when logged), and extra training_step metrics as
-    # on-device sums.
-    trainer._window_sum = 0.0
-    trainer._window_count = 0
-    trainer._epoch_sum = 0.0
-    trainer._epoch_count = 0
-    trainer._extra_sums = {}
-    trainer._extra_count = 0
-    # (global_step, sums, count) of the extra metrics before the step in flight: what a
-    # discarded step gives back (taken only when training_step returns extra metrics).
-    trainer._extras_at_step = None
-    # This optimizer step is a logging step whose metrics are not logged yet (between the
-    # step-end callbacks and the log): a checkpoint saved then logs them first.
-    trainer._log_pending = False
-    # The step of the latest validation and its metrics (an epoch end at that step reuses them).
-    trainer._last_validation = (-1, {})
-    # Puts the hang doctor's settings back as they were before this fit() (see _setup).
-    trainer._restore_hang = None

@@ -21,7 +21,7 @@ from distkit.trainer._loop import (
 )
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Run
 
 __all__: list[str] = []
 
@@ -123,74 +123,70 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     return loss.reshape(()), extras
 
 
-def optimizer_step(trainer: Trainer, loss: torch.Tensor, value: float, micro: int) -> bool:
+def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bool:
     """Take, skip or discard the optimizer step after the last micro-batch; True when training
     stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
-    precision, optimizer, strategy = trainer._precision, trainer.optimizer, trainer._strategy
-    assert precision is not None and optimizer is not None and strategy is not None
+    precision, optimizer, strategy = run.precision, run.optimizer, run.strategy
     take_step: bool | None = True  # None: discarded for a stop request
     stop = False
     strategy.sync_buffers()  # FSDP: rank 0's buffers, before checkpoints and validation read them
     # One gradient element, non-finite on every rank if any rank poisoned its backward pass.
-    grad = None if trainer._scan_all or trainer._sentinel is None else trainer._sentinel.grad
+    grad = None if run.scan_all or run.sentinel is None else run.sentinel.grad
     if grad is None:
-        flag = _nonfinite.scan_gradients(trainer)
+        flag = _nonfinite.scan_gradients(run)
     else:
         grad = strategy.local(grad)
-        flag = strategy.agreed(grad[0] if trainer._sentinel_is_vector else grad.reshape(-1)[0])
+        flag = strategy.agreed(grad[0] if run.sentinel_is_vector else grad.reshape(-1)[0])
     if math.isfinite(flag):
-        if trainer._nonfinite_run:
-            trainer._nonfinite_run.clear()
-        trainer._window_sum += value
-        trainer._window_count += 1
-        trainer._epoch_sum += value
-        trainer._epoch_count += 1
+        if run.nonfinite_run:
+            run.nonfinite_run.clear()
+        run.window_sum += value
+        run.window_count += 1
+        run.epoch_sum += value
+        run.epoch_count += 1
     else:
-        take_step, stop = _nonfinite.agree(trainer, value, micro)
+        take_step, stop = _nonfinite.agree(run, value, micro)
         if take_step is None:  # discarded for a stop request
-            if trainer._job_preempt:
-                _preemption.preempt(trainer)
+            if run.job_preempt:
+                _preemption.preempt(run)
             return True
 
-    if take_step and trainer.gradient_clip_val is not None and not _clip_gradients(trainer):
+    clip = run.trainer.gradient_clip_val
+    if take_step and clip is not None and not _clip_gradients(run, clip):
         take_step = precision.scaler is not None  # the scaler skips it and lowers its scale
         if not take_step:
-            _nonfinite.skip(trainer, "the gradients' norm was non-finite (every loss was finite)", [])
+            _nonfinite.skip(run, "the gradients' norm was non-finite (every loss was finite)", [])
     if take_step:
         if precision.scaler is None:
             optimizer.step()
         else:
             precision.step(optimizer)
-        if trainer.lr_scheduler is not None and trainer._scheduler_interval == "step":
-            trainer.lr_scheduler.step()
+        if run.lr_scheduler is not None and run.scheduler_interval == "step":
+            run.lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    trainer.global_step += 1
+    run.global_step += 1
 
-    every = trainer.val_check_interval
-    if every is not None and trainer.global_step % every == 0 and trainer._val_loader is not None:
-        _evaluate.validate_now(trainer)  # before the step-end callbacks save this step
+    every = run.trainer.val_check_interval
+    if every is not None and run.global_step % every == 0 and run.val_loader is not None:
+        _evaluate.validate_now(run)  # before the step-end callbacks save this step
 
-    log = trainer.global_step % trainer.log_every_n_steps == 0
+    log = run.global_step % run.trainer.log_every_n_steps == 0
     if log:
         # A checkpoint saved by a step-end callback logs this step's metrics first (_Counters).
-        trainer._log_pending = True
-    for cb in trainer._step_end_callbacks:
-        cb.on_train_step_end(trainer, loss)
-    if log and trainer._log_pending:
-        _logs.log_step(trainer)
-    if trainer._job_preempt:
-        _preemption.preempt(trainer)
+        run.log_pending = True
+    for cb in run.step_end_callbacks:
+        cb.on_train_step_end(run.trainer, loss)
+    if log and run.log_pending:
+        _logs.log_step(run)
+    if run.job_preempt:
+        _preemption.preempt(run)
         return True
-    return stop or trainer._finished()
+    return stop or run.finished()
 
 
-def _clip_gradients(trainer: Trainer) -> bool:
+def _clip_gradients(run: Run, clip: float) -> bool:
     """Clip (unscaling first under fp16); False when the gradients' norm is not finite."""
-    assert trainer._precision is not None and trainer.optimizer is not None and trainer.model is not None
-    assert trainer._strategy is not None and trainer.gradient_clip_val is not None  # called when clipping
-    trainer._precision.unscale(trainer.optimizer)  # fp16: exactly once per optimizer step
-    params = [p for p in trainer.model.parameters() if p.grad is not None]
+    run.precision.unscale(run.optimizer)  # fp16: exactly once per optimizer step
+    params = [p for p in run.model.parameters() if p.grad is not None]
     # The norm is the same on every rank (the gradients are reduced), so every rank decides alike.
-    return trainer._strategy.clip_gradients(
-        params, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-    )
+    return run.strategy.clip_gradients(params, clip, run.trainer.gradient_clip_algorithm)

@@ -35,9 +35,10 @@ from distkit._utils.secrets import redact_data, redact_url
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE
 from distkit.collectives import all_gather_object, broadcast_object
 from distkit.errors import DistkitError
+from distkit.trainer._run import checkpoint_callback
 
 if TYPE_CHECKING:
-    from distkit.trainer.trainer import Trainer
+    from distkit.trainer._run import Options
 
 __all__: list[str] = []
 
@@ -58,7 +59,7 @@ _HEADER = (
 )
 
 
-def get_run_config(trainer: Trainer) -> dict[str, Any] | None:
+def get_run_config(trainer: Options) -> dict[str, Any] | None:
     """The run configuration the Trainer carries, or ``None``. Local.
 
     Redacted (:func:`distkit._utils.secrets.redact_data`): this is the configuration as it is saved,
@@ -73,7 +74,7 @@ def get_run_config(trainer: Trainer) -> dict[str, Any] | None:
     return None if config is None else redact_data(dict(config))
 
 
-def config_path(trainer: Trainer) -> Path:
+def config_path(trainer: Options) -> Path:
     """Where the run's configuration is saved: ``<default_root_dir>/config.yaml``. Local."""
     return Path(trainer.default_root_dir) / CONFIG_FILENAME
 
@@ -125,7 +126,7 @@ def is_refused(key: str) -> bool:
     )
 
 
-def check_ranks_agree(trainer: Trainer) -> None:
+def check_ranks_agree(trainer: Options) -> None:
     """Fail on every rank when the ranks hold different run configurations.
 
     Call it right after the process group is up, before DDP compares the parameters' shapes (a
@@ -160,7 +161,7 @@ def check_ranks_agree(trainer: Trainer) -> None:
         )
 
 
-def check_resume(trainer: Trainer) -> None:
+def check_resume(trainer: Options) -> None:
     """Before the checkpoint is restored: refuse a resume of this run with a changed model
     configuration.
 
@@ -186,7 +187,7 @@ def check_resume(trainer: Trainer) -> None:
         raise DistkitError(error)
 
 
-def save(trainer: Trainer, resumed_from: int | None) -> None:
+def save(trainer: Options, resumed_from: int | None) -> None:
     """After the restore: warn about the changed keys of a resumed run, and write ``config.yaml``.
 
     Local: the main process writes (atomically), the others do nothing. A no-op without a
@@ -229,7 +230,7 @@ def write(path: Path, config: Mapping[str, Any]) -> None:
         handle.write(text.encode())
 
 
-def hyperparams(trainer: Trainer, derived: Mapping[str, Any]) -> dict[str, Any]:
+def hyperparams(trainer: Options, derived: Mapping[str, Any]) -> dict[str, Any]:
     """What the loggers record (``hparams.json``): the full run configuration, with what the
     Trainer derived at set-up (world size, effective batch size, ...) under ``"run"``; only the
     derived values without a ``run_config``. Local.
@@ -244,7 +245,7 @@ def hyperparams(trainer: Trainer, derived: Mapping[str, Any]) -> dict[str, Any]:
     return {**copy.deepcopy(config), "run": redact_data(dict(derived))}
 
 
-def _refusal(trainer: Trainer, config: Mapping[str, Any]) -> str | None:
+def _refusal(trainer: Options, config: Mapping[str, Any]) -> str | None:
     """The refusal's message when this resume continues a run whose model configuration changed."""
     if trainer.resume is None or not _continues_run(trainer):
         return None
@@ -271,7 +272,7 @@ def _refusal(trainer: Trainer, config: Mapping[str, Any]) -> str | None:
     )
 
 
-def _continues_run(trainer: Trainer) -> bool:
+def _continues_run(trainer: Options) -> bool:
     """Whether ``trainer.resume`` continues the run of this ``default_root_dir`` (not a new run
     started from another run's weights)."""
     from distkit.trainer._loop.state import _is_inside
@@ -281,7 +282,7 @@ def _continues_run(trainer: Trainer) -> bool:
         return False
     if resume == "auto":
         return True
-    checkpoint = trainer._checkpoint_callback()
+    checkpoint = checkpoint_callback(trainer.callbacks)
     inside_checkpoints = (
         checkpoint is not None
         and checkpoint.directory is not None
@@ -290,11 +291,11 @@ def _continues_run(trainer: Trainer) -> bool:
     return inside_checkpoints or _is_inside(resume, trainer.default_root_dir)
 
 
-def _checkpoint_to_resume(trainer: Trainer) -> str | None:
+def _checkpoint_to_resume(trainer: Options) -> str | None:
     """The checkpoint the restore will load, or ``None`` when ``resume="auto"`` finds none."""
     if trainer.resume != "auto":
         return trainer.resume
-    checkpoint = trainer._checkpoint_callback()
+    checkpoint = checkpoint_callback(trainer.callbacks)
     if checkpoint is None or checkpoint.manager is None:
         return None  # the restore itself says that resume="auto" needs checkpointing
     return checkpoint.manager.latest()  # type: ignore[no-any-return]

@@ -16,7 +16,6 @@ The interface, in the order ``fit`` uses it:
   every rank, and how the ranks read it (the loop's module docs explain the protocol).
 - :meth:`Strategy.sync_buffers`: the ranks' buffers made equal once the step's forward passes ran.
 - :meth:`Strategy.clip_gradients`: clipping, and whether the norm was finite.
-- :meth:`Strategy.full_state`: the whole model's and optimizer's state on the main process.
 - :attr:`Strategy.checkpoint_format`: ``"full"`` (one file written by the main process) or
   ``"sharded"`` (every rank writes its shards; the CheckpointManager chooses by the state).
 """
@@ -131,16 +130,6 @@ class Strategy:
             return math.isfinite(norm.item())
         nn.utils.clip_grad_value_(params, max_value)
         return True
-
-    def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The whole model's and optimizer's ``state_dict()`` on the CPU, on the main process (``None``
-        on the others). Collective for sharded strategies: call on every rank."""
-        if not runtime.is_main_process():
-            return None
-        model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        return model_state, _tree_to_cpu(optimizer.state_dict())
 
     def teardown(self, model: nn.Module) -> None:
         """Undo what :meth:`prepare` did to the user's module that should not outlive ``fit``."""

@@ -142,22 +142,37 @@ class FSDPStrategyRunner(Strategy):
         nn.utils.clip_grad_value_(params, max_value)
         return True
 
-    def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
 
-        # Collective: every rank sends its shards; rank 0 assembles them on the CPU.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+def is_sharded(model: nn.Module) -> bool:
+    """Whether some part of ``model`` is sharded by FSDP2 (``fully_shard``). Local."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The whole model's and optimizer's ``state_dict()`` on the CPU, on the main process (``None``
+    on the others), whatever strategy trained them. Collective when ``model`` is sharded (every
+    rank sends its shards, rank 0 assembles them): call on every rank."""
+    if not is_sharded(model):
         if not runtime.is_main_process():
             return None
-        return dict(model_state), _by_index(_tree_to_cpu(optim_state))
+        model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return model_state, _tree_to_cpu(optimizer.state_dict())
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if not runtime.is_main_process():
+        return None
+    return dict(model_state), _by_index(_tree_to_cpu(optim_state))
 
 
 def _by_index(state: dict[str, Any]) -> dict[str, Any]:
