@@ -25,6 +25,7 @@ absolute times there measure the machine, the ratio is what carries over.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -135,6 +136,9 @@ def step_times(blocks: int, steps: int) -> list[float]:
 
 
 def main() -> None:
+    # Host memory over gloo: on a machine with GPUs the ranks would put the sharded model on
+    # cuda:0 (distkit's device) while the batches stay on the CPU.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--blocks", type=int, default=5)
