@@ -46,6 +46,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         DataLoaderProfile as DataLoaderProfile,
         DistributedLoader as DistributedLoader,
         DistributedSplitSampler as DistributedSplitSampler,
+        ShardFiles as ShardFiles,
+        StreamLoader as StreamLoader,
         distributed_dataloader as distributed_dataloader,
         distributed_sampler as distributed_sampler,
         gather_for_metrics as gather_for_metrics,
@@ -202,6 +204,8 @@ _LAZY: dict[str, str] = {
     "DistributedLoader": "distkit.data",
     "DistributedSplitSampler": "distkit.data",
     "DataLoaderProfile": "distkit.data",
+    "ShardFiles": "distkit.data",
+    "StreamLoader": "distkit.data",
     # monitoring and scaling
     "GPUMonitor": "distkit.monitor",
     "ThroughputMeter": "distkit.monitor",

@@ -28,6 +28,7 @@ from __future__ import annotations
 #   _split.py    the split formulas: epoch order, each rank's share, evaluation layout, resume
 #   _sampler.py  DistributedSplitSampler, distributed_sampler
 #   _loader.py   DistributedLoader, distributed_dataloader
+#   _stream.py   StreamLoader, ShardFiles: iterable and streaming data
 #   _gather.py   gather_for_metrics
 #   _profile.py  DataLoaderProfile, profile_dataloader
 # scale_lr and linear_warmup live in distkit.optim; importable from here as before.
@@ -35,12 +36,15 @@ from distkit.data._gather import gather_for_metrics
 from distkit.data._loader import DistributedLoader, distributed_dataloader
 from distkit.data._profile import DataLoaderProfile, profile_dataloader
 from distkit.data._sampler import DistributedSplitSampler, distributed_sampler
+from distkit.data._stream import ShardFiles, StreamLoader
 from distkit.optim import linear_warmup, scale_lr
 
 __all__ = [
     "DataLoaderProfile",
     "DistributedLoader",
     "DistributedSplitSampler",
+    "ShardFiles",
+    "StreamLoader",
     "distributed_dataloader",
     "distributed_sampler",
     "gather_for_metrics",

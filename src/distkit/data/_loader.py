@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distkit import runtime
 from distkit._utils.checks import check_int as _check_int
@@ -30,6 +30,7 @@ from distkit.data._split import (
     _rest_of_epoch,
     _seen_after,
 )
+from distkit.data._stream import StreamLoader, is_stream, stream_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import (
     _STREAM_BATCH,
@@ -495,6 +496,27 @@ class DistributedLoader:
         )
 
 
+@overload
+def distributed_dataloader(
+    dataset: IterableDataset[Any],
+    batch_size: int,
+    *,
+    shuffle: bool | None = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    seed: int | None = None,
+    evaluation: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    multiprocessing_context: str | None = None,
+    buffer_size: int | None = None,
+) -> StreamLoader: ...
+
+
+@overload
 def distributed_dataloader(
     dataset: Any,
     batch_size: int,
@@ -510,7 +532,27 @@ def distributed_dataloader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
     multiprocessing_context: str | None = None,
-) -> DistributedLoader:
+    buffer_size: int | None = None,
+) -> DistributedLoader: ...
+
+
+def distributed_dataloader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    shuffle: bool | None = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
+    seed: int | None = None,
+    evaluation: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    multiprocessing_context: str | None = None,
+    buffer_size: int | None = None,
+) -> DistributedLoader | StreamLoader:
     """A DataLoader over this rank's share of ``dataset``: seeded, resumable, and hang-free.
 
     Collective: call on every rank (one small gather checks that every rank passed the same dataset
@@ -571,6 +613,27 @@ def distributed_dataloader(
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
     what = "distributed_dataloader()"
+    if is_stream(dataset):
+        return _stream_loader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            seed=seed,
+            evaluation=evaluation,
+            collate_fn=collate_fn,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            buffer_size=buffer_size,
+        )
+    if buffer_size is not None:
+        raise ValueError(
+            f"{what}: buffer_size is the shuffle buffer of a stream (an IterableDataset or ShardFiles); "
+            f"{type(dataset).__name__} is map-style and is shuffled whole. Leave buffer_size=None."
+        )
     n = _dataset_len(dataset, what)
     _check_int("batch_size", batch_size, 1)
     _check_int("num_workers", num_workers, 0)
@@ -658,3 +721,49 @@ def distributed_dataloader(
             stacklevel=2,
         )
     return loader
+
+
+def _stream_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    shuffle: bool | None,
+    num_workers: int,
+    pin_memory: bool | None,
+    persistent_workers: bool | None,
+    prefetch_factor: int | None,
+    seed: int | None,
+    evaluation: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    worker_init_fn: Callable[[int], None] | None,
+    multiprocessing_context: str | None,
+    buffer_size: int | None,
+) -> StreamLoader:
+    """``distributed_dataloader`` of a stream: its checks, then a :class:`StreamLoader`."""
+    what = "distributed_dataloader()"
+    _check_int("batch_size", batch_size, 1)
+    _check_int("num_workers", num_workers, 0)
+    if persistent_workers:
+        raise ValueError(
+            f"{what}: persistent_workers=True is not for a stream: each pass starts its workers at the "
+            f"stream's position (after a resume, the restored one). Leave persistent_workers=None."
+        )
+    if prefetch_factor is not None and num_workers == 0:
+        raise ValueError(
+            f"{what}: prefetch_factor={prefetch_factor} needs worker processes; pass num_workers > 0 "
+            f"or leave prefetch_factor=None."
+        )
+    return stream_dataloader(
+        dataset,
+        batch_size,
+        shuffle=not evaluation if shuffle is None else bool(shuffle),
+        seed=seed,
+        evaluation=evaluation,
+        buffer_size=buffer_size,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=runtime.get_device().type == "cuda" if pin_memory is None else bool(pin_memory),
+        prefetch_factor=prefetch_factor,
+        worker_init_fn=worker_init_fn,
+        multiprocessing_context=multiprocessing_context,
+    )
