@@ -850,13 +850,16 @@ def test_bad_loader_arguments_are_rejected_saying_what_to_change(
         distkit.distributed_dataloader(list(range(10)), **arguments)
 
 
-def test_datasets_without_length_or_iterable_are_rejected() -> None:
+def test_a_sampler_refuses_a_dataset_without_length_or_an_iterable_one_and_names_the_loader() -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(TypeError, match=r"map-style dataset .* IterableDataset Stream"):
-        distkit.distributed_dataloader(Stream(), 2)
+    with pytest.raises(
+        TypeError, match=r"map-style dataset .* IterableDataset Stream.*distributed_dataloader"
+    ):
+        distkit.distributed_sampler(Stream())
+    assert isinstance(distkit.distributed_dataloader(Stream(), 2), distkit.StreamLoader)
     with pytest.raises(TypeError, match="generator has no __len__"):
         distkit.distributed_sampler(x for x in range(3))
 

@@ -21,8 +21,8 @@ def _dataset_len(dataset: Any, what: str) -> int:
     if isinstance(dataset, IterableDataset):
         raise TypeError(
             f"{what} needs a map-style dataset (with __len__ and __getitem__), got the IterableDataset "
-            f"{type(dataset).__name__}. Shard an iterable dataset inside its __iter__ by rank and "
-            f"worker, and pass worker_init_fn=distkit.seed_worker to your own DataLoader."
+            f"{type(dataset).__name__}. distkit.distributed_dataloader() streams it, split over the "
+            f'ranks and workers and resumable (docs/data.md, "Iterable and streaming data").'
         )
     try:
         return len(dataset)

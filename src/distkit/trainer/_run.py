@@ -89,9 +89,9 @@ class Run:
     scan_all: bool
     # The generators a forward pass draws from (CPU, and this rank's CUDA device).
     generators: list[torch.Generator]
-    # Batches per epoch on this rank, samples per loader batch, data-parallel replicas (ranks, or
-    # GPUs under DP) for the effective batch size.
-    num_batches: int
+    # Batches per epoch on this rank (None: a stream, whose length is known once read), samples
+    # per loader batch, data-parallel replicas (ranks, or GPUs under DP) for the effective batch size.
+    num_batches: int | None
     per_replica_batch: int
     replicas: int
     # The ModelCheckpoint among the Trainer's callbacks (None without one).
@@ -166,8 +166,8 @@ class Outcome:
     skipped_steps: int = 0
     should_stop: bool = False
     callback_metrics: dict[str, float] = field(default_factory=dict)
-    # The sizes a scheduler factory reads (None before any fit).
-    num_batches: int = 0
+    # The sizes a scheduler factory reads (num_batches None: a stream; 0 before any fit).
+    num_batches: int | None = 0
     effective_batch_size: int | None = None
 
 

@@ -199,7 +199,9 @@ class ProgressLog(Callback):
     def _write(self, trainer: TrainerView, parts: list[str], now: float) -> None:
         parts.append(f"elapsed {_duration(now - self._start_time)}")
         total, done = trainer.total_steps, trainer.global_step - self._start_step
-        if total and done > 0 and trainer.global_step < total:
+        if total is None:
+            parts.append("no ETA (a stream of unknown length: max_steps gives one)")
+        elif total and done > 0 and trainer.global_step < total:
             parts.append(f"ETA {_duration((total - trainer.global_step) * (now - self._start_time) / done)}")
         self._emit(" | ".join(parts))
 

@@ -66,14 +66,19 @@ class _WarmupFactory:
     def __call__(
         self, optimizer: torch.optim.Optimizer, trainer: TrainerView
     ) -> torch.optim.lr_scheduler.LambdaLR:
-        warmup = self.warmup_steps
-        if warmup is None:
-            warmup = round(self.warmup_epochs * trainer.steps_per_epoch)
-        total = trainer.total_steps
+        warmup, steps_per_epoch, total = self.warmup_steps, trainer.steps_per_epoch, trainer.total_steps
+        if warmup is None and steps_per_epoch is not None:
+            warmup = round(self.warmup_epochs * steps_per_epoch)
+        if total is None or warmup is None:
+            raise ValueError(
+                "warmup_schedule needs the run's length, and a stream (an IterableDataset) has none "
+                "before it is read: pass Trainer(max_steps=...), and warmup_steps=... instead of "
+                "warmup_epochs."
+            )
         if self.decay != "constant" and warmup >= total:
             raise ValueError(
                 f"warm-up of {warmup} optimizer steps ({self.warmup_epochs} epochs x "
-                f"{trainer.steps_per_epoch} steps per epoch) leaves nothing of the {total} steps of "
+                f"{steps_per_epoch} steps per epoch) leaves nothing of the {total} steps of "
                 f"training to decay over; shorten the warm-up or train longer."
             )
         return torch.optim.lr_scheduler.LambdaLR(

@@ -359,23 +359,28 @@ class Trainer:
         return runtime.is_main_process()
 
     @property
-    def num_training_batches(self) -> int:
-        """Batches per epoch on each rank."""
+    def num_training_batches(self) -> int | None:
+        """Batches per epoch on each rank; ``None`` for a stream (an ``IterableDataset``), whose
+        epoch ends when the stream does."""
         return self._shown.num_batches
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch (the last one may accumulate fewer micro-batches)."""
-        return -(-self._shown.num_batches // self.accumulate_grad_batches)
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch (the last one may accumulate fewer micro-batches); ``None`` for
+        a stream."""
+        batches = self._shown.num_batches
+        return None if batches is None else -(-batches // self.accumulate_grad_batches)
 
     @property
-    def total_steps(self) -> int:
+    def total_steps(self) -> int | None:
         """Optimizer steps ``fit`` takes in all: ``max_steps``, or ``max_epochs`` x
         ``steps_per_epoch`` when that is fewer (known once ``fit`` has made its loaders; before,
-        ``max_steps`` or 0)."""
-        by_epochs = None if self.max_epochs is None else self.max_epochs * self.steps_per_epoch
+        ``max_steps`` or 0). ``None`` for a stream trained by ``max_epochs`` alone (its length is
+        known once read)."""
+        steps = self.steps_per_epoch
+        by_epochs = None if self.max_epochs is None or steps is None else self.max_epochs * steps
         if self.max_steps is None:
-            return by_epochs or 0
+            return None if steps is None else by_epochs or 0
         if by_epochs is None or not self._shown.num_batches:
             return self.max_steps
         return min(self.max_steps, by_epochs)

@@ -25,11 +25,22 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def length(loader: Any) -> int | None:
+    """``len(loader)``, or ``None`` for a loader without one (a stream; a DataLoader over an
+    ``IterableDataset`` that has no ``__len__``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
+        if isinstance(batch[0], (str, bytes, int, float)):
+            return len(batch)  # a list of plain samples (a stream's lines, ids)
         return batch_size(batch[0])
     if isinstance(batch, Mapping) and batch:
         return batch_size(next(iter(batch.values())))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distkit.data import StreamLoader
 from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
 from distkit.trainer._loop.batches import to_device
 from distkit.trainer._loop.step import _mean_over_devices, optimizer_step
@@ -59,6 +60,11 @@ def run_epoch(run: Run) -> None:
     iterator: Iterable[Any] = iter(loader)
     if first and not callable(getattr(loader, "load_state_dict", None)):
         iterator = itertools.islice(iterator, first, None)
+    # A loader without a length (a stream) says when the epoch's last batch comes, where an
+    # accumulation is synced and the epoch ends.
+    ends: Callable[[], bool] | None = None
+    if run.num_batches is None:
+        iterator, ends = _epoch_end(loader, iterator)
     # The hot loop reads locals only: on an overhead-bound model attribute lookups and calls are
     # a visible share of the step (benchmarks/bench_trainer.py).
     wrapped, precision, device = run.wrapped, run.precision, run.device
@@ -68,12 +74,13 @@ def run_epoch(run: Run) -> None:
     accumulation, poison, params = strategy.accumulation, strategy.poisoned_backward, run.params
     per_device = run.per_device
     plain = precision.dtype is None and precision.scaler is None
-    last_index = run.num_batches - 1
+    last_index = -1 if run.num_batches is None else run.num_batches - 1
     generators = run.generators
     one_generator = len(generators) == 1
     cpu_generator = generators[0]
     micro_losses: list[torch.Tensor] = []
     micro_sum = 0.0
+    exhausted = False
     for batch_idx, batch in enumerate(iterator, start=first):
         if move:
             batch = to_device(batch, device)
@@ -82,7 +89,12 @@ def run_epoch(run: Run) -> None:
             run.states_at_step = (
                 [cpu_generator.get_state()] if one_generator else [gen.get_state() for gen in generators]
             )
-        sync = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx == last_index
+        sync = (
+            accumulate == 1
+            or (batch_idx + 1) % accumulate == 0
+            or batch_idx == last_index
+            or (ends is not None and ends())
+        )
         with accumulation(wrapped, sync):
             if plain:
                 loss, extras = wrapped(batch, batch_idx)
@@ -114,9 +126,46 @@ def run_epoch(run: Run) -> None:
         micro_losses, micro_sum = [], 0.0
         if optimizer_step(run, step_loss, step_value, micro):
             break
+    else:
+        exhausted = True  # the loader ran out
     if not run.preempted:
-        run.epoch_finished = run.batches_done >= run.num_batches
+        if run.num_batches is None:
+            run.epoch_finished = exhausted or (ends is not None and ends())
+        else:
+            run.epoch_finished = run.batches_done >= run.num_batches
         _evaluate.end_epoch(run)
     del iterator
     # The pass is over, so the loader has moved on by itself: nothing more to give back.
     run.given_back = 0
+
+
+def _epoch_end(loader: Any, iterator: Iterable[Any]) -> tuple[Iterable[Any], Callable[[], bool]]:
+    """``iterator``, and a function telling whether the batch it gave last is the epoch's last: a
+    StreamLoader knows; any other loader without a length is read one batch ahead."""
+    if isinstance(loader, StreamLoader):
+        return iterator, lambda: loader.ends_epoch
+    peeking = _Peeking(iterator)
+    return peeking, lambda: peeking.last
+
+
+class _Peeking:
+    """An iterator read one item ahead: ``last`` says whether the item just returned is the final one."""
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self._iterator = iter(iterable)
+        self._next = next(self._iterator, _END)
+        self.last = self._next is _END
+
+    def __iter__(self) -> _Peeking:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._next
+        if item is _END:
+            raise StopIteration
+        self._next = next(self._iterator, _END)
+        self.last = self._next is _END
+        return item
+
+
+_END = object()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +14,7 @@ from distkit import runtime
 from distkit.collectives import all_reduce, any_rank, reduce_metrics
 from distkit.errors import DistkitError
 from distkit.trainer._loop import logs as _logs, model_io as _model_io
-from distkit.trainer._loop.batches import batch_size, metric_value, to_device
+from distkit.trainer._loop.batches import batch_size, length, metric_value, to_device
 from distkit.trainer.precision import Precision
 
 if TYPE_CHECKING:
@@ -138,11 +138,42 @@ def lockstep_batches(loader: Any, lockstep: bool) -> Iterable[tuple[int, Any]]:
     """``enumerate(loader)``, followed under ``lockstep`` by ``(-1, None)`` for each forward pass
     this rank repeats so that every rank runs as many (:func:`lockstep_repeats`). Collective under
     ``lockstep``, else local."""
+    if lockstep and length(loader) is None:
+        return _agreed_batches(loader)
     batches: Iterable[tuple[int, Any]] = enumerate(loader)
     repeats = lockstep_repeats(loader) if lockstep else 0
     if repeats:
         batches = itertools.chain(batches, ((-1, None) for _ in range(repeats)))
     return batches
+
+
+def _agreed_batches(loader: Any) -> Iterator[tuple[int, Any]]:
+    """:func:`lockstep_batches` of a loader without a length (a stream): before each forward pass
+    the ranks agree whether any still has a batch (one small collective per batch); a rank out of
+    batches repeats its last one until every rank is. Collective."""
+    iterator = iter(loader)
+    index = 0
+    while True:
+        batch = next(iterator, _END)
+        mine = batch is not _END
+        # Whether any rank has a batch, and whether some rank has none at all to repeat.
+        more, empty = all_reduce(torch.tensor([mine, not mine and index == 0]), op="max").tolist()
+        if not more:
+            return
+        if empty:  # every rank raises: one that has no batch cannot repeat one
+            raise DistkitError(
+                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] some rank has no validation "
+                f"batch of the stream while others have some; a sharded model's forward pass runs on "
+                f"every rank at once. Use a smaller val_batch_size or more validation samples."
+            )
+        if mine:
+            yield index, batch
+            index += 1
+        else:
+            yield -1, None
+
+
+_END = object()
 
 
 def lockstep_repeats(loader: Any) -> int:

@@ -11,7 +11,7 @@ Outside a launcher, a multi-process strategy starts its processes as ``fit`` doe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +21,7 @@ from distkit import runtime
 from distkit.checkpoint import load_checkpoint
 from distkit.collectives import all_gather_object, reduce_metrics
 from distkit.data import gather_for_metrics
+from distkit.data._stream import is_stream
 from distkit.trainer import launch, strategies
 from distkit.trainer._loop import evaluate as _evaluate, model_io as _model_io, setup as _setup
 from distkit.trainer._loop.batches import to_device
@@ -125,9 +126,9 @@ def predict(
     # A dataset's samples carry their index, so that the predictions go back into dataset order
     # whatever the split; a DataLoader given as it is yields its own batches, kept in rank order.
     indexed = _setup.makes_loader(data)
-    loader, precision, sharded, device = _prepare(
-        trainer, shown, model, _Indexed(data) if indexed else data, ckpt_path
-    )
+    if indexed:
+        data = _IndexedStream(data) if is_stream(data) else _Indexed(data)
+    loader, precision, sharded, device = _prepare(trainer, shown, model, data, ckpt_path)
     predict_step = getattr(model, "predict_step", None)
     was_training = model.training
     model.eval()
@@ -195,6 +196,17 @@ class _Indexed(torch.utils.data.Dataset[tuple[int, Any]]):
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
         return index, self.dataset[index]
+
+
+class _IndexedStream(torch.utils.data.IterableDataset[tuple[int, Any]]):
+    """A stream whose samples come with their place in it: ``(index, sample)`` (the loader of
+    ``predict`` reads it in order, so the places are the same on every rank)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return enumerate(iter(self.stream))
 
 
 def _reordered(gathered: Any, order: torch.Tensor) -> Any:

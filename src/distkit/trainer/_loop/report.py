@@ -75,8 +75,7 @@ def report(run: Run, resumed_from: int | None) -> str:
         f"  batch size     {_batch_line(run, unit)}",
         f"  learning rate  {schedules.describe(run)}",
         f"  model          {run.model_class.__name__}: {n_params:,} parameters ({n_trainable:,} trainable)",
-        f"  schedule       {run.trainer.steps_per_epoch} steps per epoch, {run.trainer.total_steps} in all; "
-        f"max_epochs={run.trainer.max_epochs}, max_steps={run.trainer.max_steps}",
+        f"  schedule       {_schedule_line(run)}",
     ]
     checkpoint = run.checkpoint
     if checkpoint is not None:
@@ -85,6 +84,17 @@ def report(run: Run, resumed_from: int | None) -> str:
             resumed += "; sharded: every rank writes its shards"
         lines.append(f"  checkpoints    {redact_url(str(checkpoint.directory))} ({resumed})")
     return "\n".join(lines)
+
+
+def _schedule_line(run: Run) -> str:
+    trainer = run.trainer
+    limits = f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}"
+    if trainer.steps_per_epoch is None:
+        total = (
+            "max_steps ends the run" if trainer.max_steps is not None else "the number of steps is unknown"
+        )
+        return f"a stream: an epoch ends when it does; {total}; {limits}"
+    return f"{trainer.steps_per_epoch} steps per epoch, {trainer.total_steps} in all; {limits}"
 
 
 def real_batch(run: Run) -> tuple[int, int]:
@@ -99,7 +109,8 @@ def real_batch(run: Run) -> tuple[int, int]:
         if share < loader.batch_size:
             # Under DP the loader's batch is split over the GPUs: the first gets the rounded-up part.
             per_replica = min(per_replica, -(-share // max(1, loader.batch_size // per_replica)))
-    micro = min(run.trainer.accumulate_grad_batches, max(1, run.num_batches))
+    accumulate = run.trainer.accumulate_grad_batches
+    micro = accumulate if run.num_batches is None else min(accumulate, max(1, run.num_batches))
     return per_replica, per_replica * run.replicas * micro
 
 

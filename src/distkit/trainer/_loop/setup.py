@@ -16,11 +16,12 @@ from torch import nn
 from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
-from distkit.data import DistributedLoader, distributed_dataloader
+from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
 from distkit.trainer import schedules
 from distkit.trainer._loop import report as _report, state as _state
+from distkit.trainer._loop.batches import length
 from distkit.trainer._loop.state import (
     _is_inside,
     _rebind,
@@ -122,7 +123,8 @@ def setup(
         if val_data is None
         else make_loader(trainer, val_data, val_per_loader, evaluation=True, world_size=world_size)
     )
-    num_batches = len(train_loader)
+    # A stream (or a DataLoader over an IterableDataset) has no length: its epoch ends when it does.
+    num_batches = length(train_loader)
     if num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
     run = Run(
@@ -223,7 +225,7 @@ def finalize_loggers(trainer: Options) -> None:
 
 def makes_loader(data: Any) -> bool:
     """Whether ``data`` is a dataset the Trainer loads itself (not a loader to use as it is)."""
-    return not isinstance(data, (torch.utils.data.DataLoader, DistributedLoader))
+    return not isinstance(data, (torch.utils.data.DataLoader, DistributedLoader, StreamLoader))
 
 
 def make_optimizer(
@@ -387,6 +389,8 @@ def restore(run: Run) -> int | None:
         # its batches as the epoch's last ones (docs/data.md, "Resuming on another number of
         # ranks"); on the same number of ranks it holds the saved count.
         run.batches_done = loader.state_dict()["batches_consumed"]
+    elif isinstance(loader, StreamLoader) and loader.epoch == progress.epoch:
+        run.batches_done = loader.batches_consumed  # the stream's position in this job's batches
     if run.batches_done and "train_loader" not in state:
         # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
         _log.info("resuming epoch %d by skipping %d batch(es)", run.current_epoch, run.batches_done)

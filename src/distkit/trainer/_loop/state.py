@@ -163,6 +163,8 @@ class _GivenBack:
         state = dict(self.loader.state_dict())
         if "batches_consumed" in state:  # a DistributedLoader; other loaders' states are kept
             state["batches_consumed"] -= self.batches
+        elif state.get("stream"):  # a StreamLoader: its position counts every rank's samples
+            state["position"] -= self.batches * state["world_size"] * state["batch_size"]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
