@@ -179,3 +179,52 @@ def test_a_list_of_paths_stays_a_map_style_dataset_and_shard_files_needs_paths(t
     assert isinstance(loader, distkit.DistributedLoader) and next(iter(loader)) == paths[:2]
     with pytest.raises(ValueError, match="non-empty list"):
         distkit.ShardFiles(paths[0])
+
+
+def _rows(n: int) -> Any:
+    for i in range(n):
+        yield {"id": i, "text": f"row {i}"}
+
+
+def hugging_face_stream(n: int, workers: int, evaluation: bool) -> list[int]:
+    import datasets
+
+    dataset = datasets.IterableDataset.from_generator(_rows, gen_kwargs={"n": n})
+    loader = distkit.distributed_dataloader(
+        dataset, 4, seed=2, buffer_size=8, num_workers=workers, evaluation=evaluation
+    )
+    return [int(i) for batch in loader for i in batch["id"]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streaming_hugging_face_dataset_is_read_whole_by_every_worker_and_split(
+    ranks: Ranks, workers: int
+) -> None:
+    train = ranks.run(hugging_face_stream, 30, workers, False)
+    assert len(train[0]) == len(train[1]) == 12  # 3 whole steps of 2 x 4; the tail of 6 dropped
+    assert len(set(train[0] + train[1])) == 24
+    assert train == ranks.run(hugging_face_stream, 30, 0, False)  # workers change nothing
+    evaluation = ranks.run(hugging_face_stream, 30, workers, True)
+    assert sorted(evaluation[0] + evaluation[1]) == list(range(30))
+
+
+def gathered_ids(n: int) -> tuple[int, list[int]]:
+    import datasets
+
+    dataset = datasets.IterableDataset.from_generator(_rows, gen_kwargs={"n": n})
+    loader = distkit.distributed_dataloader(dataset, 4, evaluation=True)
+    seen: list[int] = []
+    batches = 0
+    for batch in loader:
+        batches += 1
+        seen.extend(distkit.gather_for_metrics(torch.as_tensor(batch["id"])).tolist())
+    return batches, seen
+
+
+def test_gather_for_metrics_over_an_iterable_dataset_gives_every_item_once(ranks: Ranks) -> None:
+    # Ported from Accelerate's test of gather_for_metrics on an IterableDataset (30 items -> 30):
+    # every rank gathers each batch, and none waits for a batch another rank lacks.
+    for n in (30, 29, 9):
+        out = ranks.run(gathered_ids, n)
+        assert out[0][0] == out[1][0]  # as many batches on every rank
+        assert sorted(out[0][1]) == list(range(n)) and out[0][1] == out[1][1]

@@ -124,10 +124,9 @@ def _global_stream(source: Any, *, epoch: int, seed: int, shuffle: bool, buffer_
         if shuffle:
             rng.shuffle(order)
         samples: Iterator[Any] = source.samples(order)
+    elif _is_hugging_face(source):
+        samples = _hugging_face_rows(source, epoch)
     else:
-        set_epoch = getattr(source, "set_epoch", None)
-        if callable(set_epoch):  # a Hugging Face IterableDataset reshuffles its shards per epoch
-            set_epoch(epoch)
         samples = iter(source)
     if not shuffle:
         yield from samples
@@ -142,6 +141,28 @@ def _global_stream(source: Any, *, epoch: int, seed: int, shuffle: bool, buffer_
         buffer[index] = sample
     rng.shuffle(buffer)
     yield from buffer
+
+
+def _is_hugging_face(source: Any) -> bool:
+    return type(source).__module__.startswith("datasets.") and callable(getattr(source, "iter", None))
+
+
+def _hugging_face_rows(dataset: Any, epoch: int) -> Iterator[Any]:
+    """The rows of a Hugging Face ``datasets.IterableDataset``, all of them in every process.
+
+    Its ``__iter__`` gives a DataLoader worker only the worker's shards (and a dataset split with
+    ``split_dataset_by_node`` only the node's), where here every worker reads the whole stream and
+    takes its batches: ``dataset.iter`` reads it whole, in batches of one row.
+    """
+    if getattr(dataset, "_distributed", None) is not None:  # set by split_dataset_by_node
+        raise DistkitError(
+            "this Hugging Face dataset was split with datasets.distributed.split_dataset_by_node, so "
+            "every rank streams other rows; distkit splits the stream itself (every rank reads the "
+            "whole stream and takes its slice of each step). Pass the dataset before the split."
+        )
+    dataset.set_epoch(epoch)  # its own shard shuffle (dataset.shuffle(...)) moves on per epoch
+    for row in dataset.iter(batch_size=1):
+        yield {key: value[0] for key, value in row.items()}
 
 
 class _RankBatches(IterableDataset[Any]):
@@ -166,6 +187,7 @@ class _RankBatches(IterableDataset[Any]):
         )
         position = 0
         step: list[Any] = []
+        held: list[Any] = []  # evaluation: the last whole step, split with the tail at the end
         index = 0  # this rank's batch index from `start` on
         for sample in stream:
             position += 1
@@ -174,14 +196,33 @@ class _RankBatches(IterableDataset[Any]):
             step.append(sample)
             if len(step) < step_size:
                 continue
+            if self.evaluation:
+                step, held = held, step
+                if not step:
+                    continue
             if index % workers == worker:
                 yield self.collate_fn(step[low:high])
             index += 1
             step = []
-        if self.evaluation and step and index % workers == worker:
-            mine = step[low:high]
-            if mine:
-                yield self.collate_fn(mine)
+        if not self.evaluation:
+            return
+        for batch in _final_batches(held + step, self.rank, self.world_size, halves=bool(held)):
+            if index % workers == worker:
+                yield self.collate_fn(batch)
+            index += 1
+
+
+def _final_batches(samples: list[Any], rank: int, world_size: int, *, halves: bool) -> list[list[Any]]:
+    """This rank's last evaluation batches: ``samples`` (the last whole step and the tail) cut into
+    ``world_size`` contiguous parts as even as can be, each part in two batches (``halves``) or one.
+    Every rank then gets as many batches as the others whenever there was a whole step (its part
+    holds at least ``batch_size`` samples), so a loop that gathers every batch never waits alone."""
+    low = rank * len(samples) // world_size
+    part = samples[low : (rank + 1) * len(samples) // world_size]
+    if not halves:
+        return [part] if part else []
+    middle = (len(part) + 1) // 2
+    return [batch for batch in (part[:middle], part[middle:]) if batch]
 
 
 class StreamLoader:
