@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         distributed_sampler as distributed_sampler,
         gather_for_metrics as gather_for_metrics,
         profile_dataloader as profile_dataloader,
+        split_between_processes as split_between_processes,
     )
     from distkit.env import (
         LaunchEnv as LaunchEnv,
@@ -199,6 +200,7 @@ _LAZY: dict[str, str] = {
     "distributed_dataloader": "distkit.data",
     "gather_for_metrics": "distkit.data",
     "profile_dataloader": "distkit.data",
+    "split_between_processes": "distkit.data",
     "scale_lr": "distkit.optim",
     "linear_warmup": "distkit.optim",
     "DistributedLoader": "distkit.data",

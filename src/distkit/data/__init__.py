@@ -29,6 +29,7 @@ from __future__ import annotations
 #   _sampler.py  DistributedSplitSampler, distributed_sampler
 #   _loader.py   DistributedLoader, distributed_dataloader
 #   _stream.py   StreamLoader, ShardFiles: iterable and streaming data
+#   _share.py    split_between_processes: this rank's share of a list, tensor or dict
 #   _gather.py   gather_for_metrics
 #   _profile.py  DataLoaderProfile, profile_dataloader
 # scale_lr and linear_warmup live in distkit.optim; importable from here as before.
@@ -36,6 +37,7 @@ from distkit.data._gather import gather_for_metrics
 from distkit.data._loader import DistributedLoader, distributed_dataloader
 from distkit.data._profile import DataLoaderProfile, profile_dataloader
 from distkit.data._sampler import DistributedSplitSampler, distributed_sampler
+from distkit.data._share import split_between_processes
 from distkit.data._stream import ShardFiles, StreamLoader
 from distkit.optim import linear_warmup, scale_lr
 
@@ -51,4 +53,5 @@ __all__ = [
     "linear_warmup",
     "profile_dataloader",
     "scale_lr",
+    "split_between_processes",
 ]

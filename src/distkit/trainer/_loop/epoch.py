@@ -12,7 +12,7 @@ import torch
 
 from distkit.data import StreamLoader
 from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
-from distkit.trainer._loop.batches import to_device
+from distkit.trainer._loop.batches import length, to_device
 from distkit.trainer._loop.step import _mean_over_devices, optimizer_step
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ def run_epoch(run: Run) -> None:
     iterator: Iterable[Any] = iter(loader)
     if first and not callable(getattr(loader, "load_state_dict", None)):
         iterator = itertools.islice(iterator, first, None)
+    if run.num_batches is not None and run.num_batches != length(loader):
+        # The ranks' own loaders differ in length: every rank stops at the shortest (set-up).
+        iterator = itertools.islice(iterator, run.num_batches - first)
     # A loader without a length (a stream) says when the epoch's last batch comes, where an
     # accumulation is synced and the epoch ends.
     ends: Callable[[], bool] | None = None

@@ -16,6 +16,7 @@ from torch import nn
 from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
+from distkit.collectives import all_gather_object
 from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
@@ -125,6 +126,8 @@ def setup(
     )
     # A stream (or a DataLoader over an IterableDataset) has no length: its epoch ends when it does.
     num_batches = length(train_loader)
+    if world_size > 1 and not isinstance(train_loader, (DistributedLoader, StreamLoader)):
+        num_batches = _shortest_epoch(num_batches)
     if num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
     run = Run(
@@ -221,6 +224,31 @@ def finalize_loggers(trainer: Options) -> None:
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.finalize()
+
+
+def _shortest_epoch(mine: int | None) -> int | None:
+    """The batches of an epoch on every rank when the ranks loaded with loaders of their own (one
+    small gather at set-up): the shortest rank's count, so that every rank ends the epoch at the
+    same step instead of one waiting in a collective for a rank that ran out. Collective."""
+    lengths = all_gather_object(mine)
+    if len(set(lengths)) == 1:
+        return mine
+    if None in lengths:
+        raise DistkitError(
+            f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the ranks' training loaders give "
+            f"{lengths} batches (None: no length), so the ranks cannot agree where an epoch ends. "
+            f"Pass the dataset itself (map-style or an IterableDataset) to have distkit split it, or "
+            f"give every rank a loader of the same kind."
+        )
+    shortest = min(n for n in lengths if n is not None)
+    _log.warning(
+        "the ranks' own training loaders have different lengths (%s batches): every rank stops each "
+        "epoch after %d, the shortest, so that none waits for a rank that ran out; the rest of the "
+        "longer ones is not trained on. Pass the dataset itself to split it evenly.",
+        lengths,
+        shortest,
+    )
+    return shortest
 
 
 def makes_loader(data: Any) -> bool:
