@@ -5,6 +5,12 @@ ids listed)."""
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +19,7 @@ import torch
 from torch import nn
 
 import distkit
+from _launch import job_env, torchrun
 from distkit.testing import Ranks
 from distkit.trainer import ModelCheckpoint, warmup_schedule
 
@@ -180,3 +187,80 @@ def test_a_warmup_schedule_in_epochs_over_a_stream_asks_for_max_steps(tmp_path: 
             optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
             lr_scheduler=warmup_schedule(warmup_epochs=1),
         )
+
+
+SCRIPTS = Path(__file__).resolve().parent / "trainer_scripts"
+CORPUS = 115  # stream_job.py's SAMPLES
+
+
+def _tar_corpus(root: Path) -> None:
+    root.mkdir(parents=True)
+    for shard in range(5):
+        with tarfile.open(root / f"train-{shard}.tar", "w") as archive:
+            for i in range(shard * 23, (shard + 1) * 23):
+                data = f"sample {i}".encode()
+                info = tarfile.TarInfo(f"{i:05d}.txt")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+
+
+def _job(kind: str, data: Path, run: Path, out: Path, processes: int, *extra: str) -> None:
+    out.mkdir(exist_ok=True)
+    command = torchrun(
+        str(SCRIPTS / "stream_job.py"),
+        kind,
+        str(data),
+        str(run),
+        str(out),
+        *extra,
+        options=("--standalone", f"--nproc_per_node={processes}"),
+    )
+    result = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=300)
+    print(result.stdout[-3000:], result.stderr[-5000:], sep="\n")
+    assert result.returncode == 0
+
+
+def _seen(out: Path, processes: int) -> list[list[int]]:
+    ranks = [json.loads((out / f"seen-{processes}-{rank}.json").read_text()) for rank in range(processes)]
+    return [rank["seen"] for rank in ranks]
+
+
+def _global_order(kind: str, data: Path) -> list[int]:
+    """The epoch's shuffled global stream (seed 0, the default buffer), as one process reads it."""
+    if kind == "tar":
+        source: Any = distkit.ShardFiles(sorted(str(p) for p in data.glob("*.tar")))
+    else:
+        import datasets
+
+        sys.path.insert(0, str(SCRIPTS))
+        try:
+            from stream_job import rows
+        finally:
+            sys.path.remove(str(SCRIPTS))
+        source = datasets.IterableDataset.from_generator(rows, gen_kwargs={"n": CORPUS})
+    loader = distkit.distributed_dataloader(source, 4, seed=0, evaluation=True, shuffle=True, collate_fn=list)
+    return [int(s["__key__"] if kind == "tar" else s["id"]) for batch in loader for s in batch]
+
+
+@pytest.mark.parametrize("kind", ["tar", "hf"])
+def test_a_torchrun_job_on_a_stream_stops_mid_epoch_and_resumes_on_1_and_3_processes(
+    tmp_path: Path, kind: str, world_of_one: pytest.MonkeyPatch
+) -> None:
+    data, run = tmp_path / "data", tmp_path / "run"
+    if kind == "tar":
+        _tar_corpus(data)
+    else:
+        data.mkdir()
+    _job(kind, data, run, tmp_path / "first", 2, "--max-steps", "5")
+    done = [i for rank in _seen(tmp_path / "first", 2) for i in rank]
+    assert len(done) == 5 * 2 * 4
+    order = _global_order(kind, data)
+    assert sorted(order) == list(range(CORPUS))
+    for after in (1, 3):
+        copy = tmp_path / f"run-{after}"
+        shutil.copytree(run, copy)
+        _job(kind, data, copy, tmp_path / f"then-{after}", after)
+        then = [i for rank in _seen(tmp_path / f"then-{after}", after) for i in rank]
+        assert len(set(done + then)) == len(done + then), f"a sample trained twice ({after} processes)"
+        consumed = len(done) + (CORPUS - len(done)) // (after * 4) * (after * 4)
+        assert sorted(done + then) == sorted(order[:consumed]), f"a sample skipped ({after} processes)"
