@@ -228,3 +228,26 @@ def test_gather_for_metrics_over_an_iterable_dataset_gives_every_item_once(ranks
         out = ranks.run(gathered_ids, n)
         assert out[0][0] == out[1][0]  # as many batches on every rank
         assert sorted(out[0][1]) == list(range(n)) and out[0][1] == out[1][1]
+
+
+def test_shard_files_read_fsspec_urls(tmp_path: Path) -> None:
+    import fsspec
+
+    local = _line_shards(tmp_path)
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for i, path in enumerate(local[:2]):
+        url = f"memory://stream-test/shard-{i}.txt"
+        fs.pipe(url, Path(path).read_bytes())
+        urls.append(url)
+    tar = _tar_shards(tmp_path)[0]
+    fs.pipe("memory://stream-test/train-0.tar", Path(tar).read_bytes())
+    urls.append("memory://stream-test/train-0.tar")
+    try:
+        samples = list(distkit.ShardFiles(urls))
+    finally:
+        fs.rm("memory://stream-test", recursive=True)
+    assert (
+        samples[:LINES] == [f"s0-{j}" for j in range(LINES)] and samples[2 * LINES - 1] == f"s1-{LINES - 1}"
+    )
+    assert [s["__key__"] for s in samples[2 * LINES :]] == [f"s0-{j}" for j in range(7)]
