@@ -839,7 +839,7 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"gradient_clip_val": -1.0}, ValueError, "gradient_clip_val must be > 0"),
         ({"gradient_clip_algorithm": "max"}, ValueError, "'norm' or 'value'"),
         ({"strategy": "single", "devices": 2}, ValueError, "strategy='single' uses one device"),
-        ({"max_epochs": None}, ValueError, "give max_epochs or max_steps"),
+        ({"val_check_interval": 2.0}, ValueError, "fraction of an epoch"),
         ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
     ],
 )

@@ -33,6 +33,8 @@ from torch import nn
 
 from distkit import runtime
 from distkit._doctor.doctor import check_timeout
+from distkit.checkpoint import save_checkpoint
+from distkit.collectives import all_gather_object
 from distkit.errors import DistkitError
 from distkit.trainer import launch, strategies
 from distkit.trainer._loop import (
@@ -80,7 +82,8 @@ class Trainer:
             one process per visible GPU, and needs a count without CUDA.
         precision: ``"32"``, ``"bf16-mixed"`` (CPU or CUDA) or ``"16-mixed"`` (CUDA, with a
             ``GradScaler``).
-        max_epochs: Epochs to train; at least one of ``max_epochs`` and ``max_steps`` is needed.
+        max_epochs: Epochs to train; ``fit`` needs at least one of ``max_epochs`` and ``max_steps``
+            (``validate``, ``test`` and ``predict`` need neither).
         max_steps: Optimizer steps to train (stops mid-epoch if reached first).
         batch_size: Samples per batch on each rank (DP: on each GPU).
         val_batch_size: Batch size of validation; ``batch_size`` when ``None``.
@@ -93,9 +96,13 @@ class Trainer:
             collective per logging step).
         check_val_every_n_epoch: Epochs between validations at the end of an epoch; ``None``:
             none there (only every ``val_check_interval`` steps).
-        val_check_interval: Also validate every this many optimizer steps, mid-epoch too (as
-            nanoGPT's ``eval_interval``). An epoch-end validation at a step just validated is not
-            repeated. Validation comes before the step's checkpoint, so resuming stays exact.
+        val_check_interval: An int: also validate every this many optimizer steps, counted across
+            epochs, mid-epoch too (as nanoGPT's ``eval_interval``; Lightning's int counts batches
+            within an epoch instead). A float in (0, 1]: a fraction of an epoch, as Lightning's:
+            ``0.25`` validates after each quarter of the optimizer steps of every epoch that
+            ``check_val_every_n_epoch`` selects, in place of its end-of-epoch validation. An
+            epoch-end validation at a step just validated is not repeated. Validation comes before
+            the step's checkpoint, so resuming stays exact.
         callbacks: :class:`Callback` objects (hooks run on every rank, in order).
         logger: ``True`` for a :class:`CSVLogger` in ``default_root_dir``, ``False`` for none, or
             :class:`Logger` objects. Loggers write on the main process only.
@@ -170,7 +177,7 @@ class Trainer:
     gradient_clip_algorithm: str
     log_every_n_steps: int
     check_val_every_n_epoch: int | None
-    val_check_interval: int | None
+    val_check_interval: int | float | None
     callbacks: list[Callback]
     loggers: list[Logger]
     enable_progress_bar: bool | None
@@ -206,7 +213,7 @@ class Trainer:
         gradient_clip_algorithm: str = "norm",
         log_every_n_steps: int = 50,
         check_val_every_n_epoch: int | None = 1,
-        val_check_interval: int | None = None,
+        val_check_interval: int | float | None = None,
         callbacks: Sequence[Callback] | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_checkpointing: bool = True,
@@ -450,6 +457,7 @@ class Trainer:
         lr_scheduler: Any = None,
         scheduler_interval: str = "step",
         metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], Any]] | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train ``model`` on ``train_data``, validating on ``val_data`` every epoch (and every
         ``val_check_interval`` steps).
@@ -488,6 +496,10 @@ class Trainer:
             metrics: Extra validation metrics of plain models: ``name -> fn(output, target)``
                 returning per-sample values (e.g. :func:`distkit.trainer.accuracy`); logged as
                 ``val_<name>`` beside ``val_loss``.
+            ckpt_path: Resume this ``fit`` from a checkpoint, in place of the Trainer's ``resume``
+                (as Lightning's ``fit(ckpt_path=...)``): a path, ``"last"`` (the latest
+                checkpoint of the ModelCheckpoint's directory; a fresh start when there is none,
+                as ``resume="auto"``) or ``"best"`` (its best by ``monitor``).
 
         Raises:
             DistkitError: The loss (or, when clipping by norm, the gradients) was non-finite for
@@ -504,8 +516,29 @@ class Trainer:
             >>> trainer.fit(model, train_set, val_set, optimizer=lambda p: torch.optim.SGD(p, 0.1),
             ...             loss_fn=torch.nn.functional.cross_entropy)  # doctest: +SKIP
         """
+        if self.max_epochs is None and self.max_steps is None:
+            raise ValueError(
+                "fit() needs to know when to stop: give the Trainer max_epochs or max_steps (or both). "
+                "validate(), test() and predict() need neither."
+            )
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}.")
+        if ckpt_path is not None:
+            resume, self.resume = self.resume, _setup.fit_resume(self, ckpt_path)
+            try:
+                self.fit(
+                    model,
+                    train_data,
+                    val_data,
+                    optimizer=optimizer,
+                    loss_fn=loss_fn,
+                    lr_scheduler=lr_scheduler,
+                    scheduler_interval=scheduler_interval,
+                    metrics=metrics,
+                )
+            finally:
+                self.resume = resume
+            return
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
@@ -582,7 +615,8 @@ class Trainer:
         Args:
             model: The model (``validation_step(batch, batch_idx)`` optional).
             data: A map-style dataset (split over the ranks without padding) or a DataLoader.
-            ckpt_path: A checkpoint to load the model's weights from first (full or sharded,
+            ckpt_path: A checkpoint to load the model's weights from first, or ``"best"``/``"last"``
+                of the ModelCheckpoint's directory (as Lightning's; full or sharded,
                 saved by any number of ranks).
             loss_fn: ``loss_fn(output, target)`` of a plain model.
             metrics: ``name -> fn(output, target)`` returning per-sample values.
@@ -637,7 +671,8 @@ class Trainer:
         Args:
             model: The model.
             data: A map-style dataset (split over the ranks without padding) or a DataLoader.
-            ckpt_path: A checkpoint to load the model's weights from first.
+            ckpt_path: A checkpoint to load the model's weights from first (a path, ``"best"`` or
+                ``"last"``, as in :meth:`validate`).
             all_ranks: Return the predictions on every rank, not only the main process (under a
                 launcher).
 
@@ -679,6 +714,33 @@ class Trainer:
                 "distkit.save_checkpoint(path, {'model': model, 'optimizer': optimizer})."
             )
         return _state.checkpoint_state(self._shown)
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> str:
+        """Save the run as a committed checkpoint at ``path`` (as Lightning's
+        ``trainer.save_checkpoint``): what :meth:`checkpoint_state` holds, so that
+        ``Trainer(resume=path)`` continues exactly from it.
+
+        Collective: call it on every rank, with the same path (from a callback, or after a ``fit``
+        that ran in this process). Called on some ranks only (inside ``if trainer.is_main_process:``)
+        it raises :class:`~distkit.CollectiveMismatchError` naming the ranks that never came, instead
+        of waiting for them; ranks passing different paths raise ``ValueError``.
+
+        Returns:
+            ``path`` as a string.
+
+        Example:
+            >>> trainer.fit(model, train_set, optimizer=make_optimizer)  # doctest: +SKIP
+            >>> trainer.save_checkpoint("runs/after-fit")  # on every rank  # doctest: +SKIP
+        """
+        where = os.fspath(path)
+        paths = all_gather_object(where)  # every rank comes, with the same path
+        if len(set(paths)) > 1:
+            raise ValueError(
+                f"save_checkpoint() is collective and writes one checkpoint, but the ranks passed "
+                f"different paths: {paths}; pass the same path on every rank."
+            )
+        state = self.checkpoint_state()
+        return save_checkpoint(where, state, step=self.global_step)
 
 
 if TYPE_CHECKING:

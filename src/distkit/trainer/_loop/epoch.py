@@ -29,9 +29,12 @@ def train(run: Run) -> None:
         if run.preempted:
             break
         if run.epoch_finished:
-            # After fit, current_epoch counts the completed epochs (as max_epochs does).
+            # After fit, current_epoch counts the completed epochs (as max_epochs does), and the
+            # position is the next epoch's start (a checkpoint taken after fit resumes there).
             run.current_epoch += 1
             run.batches_done = 0
+            run.epoch_finished = False
+            run.epoch_sum, run.epoch_count = 0.0, 0
         if run.should_stop:
             break
     for cb in run.callbacks:

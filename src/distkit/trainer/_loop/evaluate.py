@@ -208,11 +208,17 @@ def validate_now(run: Run) -> dict[str, float]:
     return metrics
 
 
+def validated_epoch(run: Run) -> bool:
+    """Whether ``check_val_every_n_epoch`` selects the current epoch for validation."""
+    every = run.trainer.check_val_every_n_epoch
+    return every is not None and (run.current_epoch + 1) % every == 0
+
+
 def end_epoch(run: Run) -> None:
     """Validate (unless it was done at this very step), reduce the epoch's metrics in one
     collective, run the epoch-end hooks, and agree on stopping."""
-    every = run.trainer.check_val_every_n_epoch
-    due = run.val_loader is not None and every is not None and (run.current_epoch + 1) % every == 0
+    # A fraction of an epoch (val_check_interval=0.25) validates within the epoch instead.
+    due = run.val_loader is not None and run.val_every_in_epoch is None and validated_epoch(run)
     done_at, done_metrics = run.last_validation
     already = due and done_at == run.global_step
     local = validate(run) if due and not already else {}

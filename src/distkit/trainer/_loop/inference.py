@@ -53,7 +53,7 @@ def _prepare(
         model.to(device)
     if ckpt_path is not None:
         # Full or sharded, saved by any number of ranks: load_checkpoint reshards into this model.
-        load_checkpoint(ckpt_path, {"model": model}, strict=True)
+        load_checkpoint(_setup.evaluation_checkpoint(trainer, ckpt_path), {"model": model}, strict=True)
     precision = Precision(trainer.precision, device, autocast=True)
     batch = trainer.val_batch_size * (len(plan.cuda_indices) if plan.kind == "dp" else 1)
     loader = _setup.make_loader(trainer, data, batch, evaluation=True, world_size=world_size)

@@ -130,6 +130,7 @@ def setup(
         num_batches = _shortest_epoch(num_batches)
     if num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
+    val_every, val_every_in_epoch = _validation_schedule(trainer, num_batches)
     run = Run(
         trainer=trainer,
         plan=plan,
@@ -156,6 +157,8 @@ def setup(
         per_replica_batch=per_replica_batch,
         replicas=replicas,
         checkpoint=checkpoint_callback(trainer.callbacks),
+        val_every=val_every,
+        val_every_in_epoch=val_every_in_epoch,
     )
     on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
@@ -224,6 +227,75 @@ def finalize_loggers(trainer: Options) -> None:
     if runtime.is_main_process():
         for logger in trainer.loggers:
             logger.finalize()
+
+
+def named_checkpoint(trainer: Options, which: str) -> str | None:
+    """The path of the ModelCheckpoint's ``"best"`` or ``"last"`` checkpoint (``None``: none there
+    yet), as Lightning's ``ckpt_path="best"``/``"last"``. Local (reads the directory)."""
+    checkpoint = checkpoint_callback(trainer.callbacks)
+    if checkpoint is None:
+        raise ValueError(
+            f"ckpt_path={which!r} names a checkpoint of the ModelCheckpoint's directory, but "
+            f"checkpointing is off; pass a checkpoint path, or enable_checkpointing=True (or a "
+            f"ModelCheckpoint callback)."
+        )
+    if which == "best" and checkpoint.monitor is None:
+        raise ValueError(
+            "ckpt_path='best' picks the best checkpoint by a metric, and the ModelCheckpoint has none: "
+            "give it one, ModelCheckpoint(monitor='val_loss', keep_best=1), or use ckpt_path='last'."
+        )
+    if checkpoint.manager is None:
+        checkpoint.setup(trainer)  # reads the directory; claims nothing
+    found = checkpoint.manager.best() if which == "best" else checkpoint.manager.latest()
+    return None if found is None else str(found)
+
+
+def fit_resume(trainer: Options, ckpt_path: str | os.PathLike[str]) -> str:
+    """``fit(ckpt_path=...)`` as a ``resume`` value: ``"last"`` is ``"auto"`` (a fresh start when
+    the directory holds none), ``"best"`` the best checkpoint's path, a path itself."""
+    path = os.fspath(ckpt_path)
+    if path == "last":
+        return "auto"
+    if path == "best":
+        return evaluation_checkpoint(trainer, path)
+    return path
+
+
+def evaluation_checkpoint(trainer: Options, ckpt_path: str | os.PathLike[str]) -> str:
+    """The checkpoint ``ckpt_path`` names: ``"best"``/``"last"`` of the ModelCheckpoint's
+    directory (which must hold one), or the path itself."""
+    path = os.fspath(ckpt_path)
+    if path not in ("best", "last"):
+        return path
+    found = named_checkpoint(trainer, path)
+    if found is None:
+        checkpoint = checkpoint_callback(trainer.callbacks)
+        where = redact_url(str(checkpoint.directory)) if checkpoint is not None else "?"
+        what = (
+            f"no checkpoint ranked by {checkpoint.monitor!r}"
+            if path == "best" and checkpoint
+            else "no checkpoint"
+        )
+        raise ValueError(
+            f"ckpt_path={path!r}: {where} holds {what} yet (fit() with this ModelCheckpoint writes "
+            f"them); pass a checkpoint path instead."
+        )
+    return found
+
+
+def _validation_schedule(trainer: Options, num_batches: int | None) -> tuple[int | None, int | None]:
+    """``val_check_interval`` as ``(every so many optimizer steps, across epochs; every so many
+    steps within an epoch)``: an int is the first, a fraction of an epoch the second."""
+    interval = trainer.val_check_interval
+    if not isinstance(interval, float):
+        return interval, None
+    if num_batches is None:
+        raise ValueError(
+            f"val_check_interval={interval} is a fraction of an epoch, and the training data is a stream "
+            f"whose epoch length is unknown; give a number of optimizer steps (an int) instead."
+        )
+    steps = -(-num_batches // trainer.accumulate_grad_batches)
+    return None, max(1, int(steps * interval))
 
 
 def _shortest_epoch(mine: int | None) -> int | None:
@@ -573,8 +645,18 @@ def check_options(
     compile: Any,
 ) -> None:
     """Validate the Trainer's numeric and switch options; raise naming the first bad one. Local."""
-    if max_epochs is None and max_steps is None:
-        raise ValueError("give max_epochs or max_steps (or both): the Trainer needs to know when to stop.")
+    if isinstance(val_check_interval, float):
+        if not 0.0 < val_check_interval <= 1.0:
+            raise ValueError(
+                f"val_check_interval={val_check_interval} as a float is a fraction of an epoch, in (0, 1] "
+                f"(0.25: four times an epoch); an int is a number of optimizer steps."
+            )
+        if check_val_every_n_epoch is None:
+            raise ValueError(
+                f"val_check_interval={val_check_interval} validates within the epochs that "
+                f"check_val_every_n_epoch selects, and it is None; set it (1: every epoch), or give "
+                f"val_check_interval as a number of optimizer steps (an int)."
+            )
     for name, value, low, optional in (
         ("max_epochs", max_epochs, 1, True),
         ("max_steps", max_steps, 1, True),
@@ -584,7 +666,6 @@ def check_options(
         ("accumulate_grad_batches", accumulate_grad_batches, 1, False),
         ("log_every_n_steps", log_every_n_steps, 1, False),
         ("check_val_every_n_epoch", check_val_every_n_epoch, 1, True),
-        ("val_check_interval", val_check_interval, 1, True),
         ("max_consecutive_nonfinite", max_consecutive_nonfinite, 1, False),
     ):
         if value is None and optional:
@@ -593,6 +674,16 @@ def check_options(
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}.")
+    if val_check_interval is not None and not isinstance(val_check_interval, float):
+        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, int):
+            raise TypeError(
+                f"val_check_interval must be an int (optimizer steps) or a float in (0, 1] (a fraction "
+                f"of an epoch), got {type(val_check_interval).__name__} {val_check_interval!r}."
+            )
+        if val_check_interval < 1:
+            raise ValueError(
+                f"val_check_interval must be >= 1 as a number of steps, got {val_check_interval}."
+            )
     if gradient_clip_val is not None and not gradient_clip_val > 0:
         raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}.")
     if gradient_clip_algorithm not in ("norm", "value"):

@@ -166,8 +166,7 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
     optimizer.zero_grad(set_to_none=True)
     run.global_step += 1
 
-    every = run.trainer.val_check_interval
-    if every is not None and run.global_step % every == 0 and run.val_loader is not None:
+    if run.val_loader is not None and _validation_due(run):
         _evaluate.validate_now(run)  # before the step-end callbacks save this step
 
     log = run.global_step % run.trainer.log_every_n_steps == 0
@@ -182,6 +181,18 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         _preemption.preempt(run)
         return True
     return stop or run.finished()
+
+
+def _validation_due(run: Run) -> bool:
+    """Whether ``val_check_interval`` asks for a validation after this optimizer step."""
+    every = run.val_every
+    if every is not None:
+        return run.global_step % every == 0
+    every = run.val_every_in_epoch
+    if every is None or not _evaluate.validated_epoch(run):
+        return False
+    step_in_epoch = -(-run.batches_done // run.trainer.accumulate_grad_batches)
+    return step_in_epoch % every == 0
 
 
 def _clip_gradients(run: Run, clip: float) -> bool:

@@ -1,0 +1,226 @@
+"""Lightning users' habits, each ported in our words from the peer's own test (named there):
+ckpt_path="best"/"last", Trainer.save_checkpoint, val_check_interval as a fraction of an epoch, and a
+Trainer made only to evaluate, without max_epochs or max_steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import distkit
+from distkit.testing import Ranks
+from distkit.trainer import Callback, ModelCheckpoint, TrainerView
+
+
+def _data(n: int = 64, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _trainer(root: Path | str, **options: Any) -> distkit.Trainer:
+    defaults: dict[str, Any] = {
+        "batch_size": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "default_root_dir": root,
+        "seed": 0,
+    }
+    defaults.update(options)
+    return distkit.Trainer(**defaults)
+
+
+def _fit(trainer: distkit.Trainer, model: nn.Module, **options: Any) -> None:
+    trainer.fit(
+        model,
+        _data(),
+        _data(16, seed=1),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        loss_fn=nn.functional.cross_entropy,
+        **options,
+    )
+
+
+class CountValidations(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("max_epochs", [1, 2, 3])
+@pytest.mark.parametrize("interval", [1.0, 0.25, 0.33])
+def test_a_fraction_of_an_epoch_validates_that_often_in_every_epoch(
+    tmp_path: Path, max_epochs: int, interval: float
+) -> None:
+    # Lightning's tests/trainer/flags/test_val_check_interval.py (test_val_check_interval): 64
+    # batches an epoch, val_check_interval=1/k validates round(k) times in every epoch.
+    counter = CountValidations()
+    trainer = _trainer(
+        tmp_path,
+        max_epochs=max_epochs,
+        val_check_interval=interval,
+        callbacks=[counter],
+        enable_checkpointing=False,
+    )
+    _fit(trainer, _model())
+    assert len(counter.steps) == max_epochs * round(1 / interval)
+    every = int(64 * interval)
+    assert counter.steps[: round(1 / interval)] == [every * k for k in range(1, round(1 / interval) + 1)]
+
+
+def test_an_int_interval_still_counts_optimizer_steps_across_epochs(tmp_path: Path) -> None:
+    counter = CountValidations()
+    trainer = _trainer(
+        tmp_path, max_epochs=2, val_check_interval=48, callbacks=[counter], enable_checkpointing=False
+    )
+    _fit(trainer, _model())
+    assert counter.steps == [48, 64, 96, 128]  # every 48 steps, and at each epoch's end
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"val_check_interval": 1.5}, ValueError, r"fraction of an epoch, in \(0, 1\]"),
+        ({"val_check_interval": 0.5, "check_val_every_n_epoch": None}, ValueError, "check_val_every_n_epoch"),
+        ({"val_check_interval": "2"}, TypeError, "an int .* or a float"),
+        ({"val_check_interval": 0}, ValueError, "must be >= 1"),
+    ],
+)
+def test_a_bad_val_check_interval_says_what_each_kind_means(
+    tmp_path: Path, options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        _trainer(tmp_path, max_epochs=1, **options)
+
+
+def test_a_trainer_made_only_to_evaluate_needs_no_max_epochs(tmp_path: Path) -> None:
+    # Lightning builds `Trainer()` with no limits for trainer.validate/test/predict throughout its
+    # tests (tests_pytorch/trainer/test_trainer.py); fit() is what needs to know when to stop.
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    metrics = trainer.validate(_model(), _data(16), loss_fn=nn.functional.cross_entropy)
+    assert set(metrics) == {"val_loss"}
+    assert trainer.predict(_model(), _data(16)).shape == (16, 2)
+    with pytest.raises(ValueError, match="give the Trainer max_epochs or max_steps"):
+        _fit(trainer, _model())
+
+
+def _weights_of(path: str) -> list[torch.Tensor]:
+    model = _model()
+    distkit.load_checkpoint(path, {"model": model}, strict=False)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_ckpt_path_best_and_last_evaluate_the_checkpoints_of_the_modelcheckpoint(tmp_path: Path) -> None:
+    # Lightning's tests_pytorch/trainer/test_trainer.py (test_tested_checkpoint_path): validate and
+    # test with ckpt_path="best" load the best checkpoint, "last" the latest.
+    checkpoint = ModelCheckpoint(monitor="val_loss", keep_best=1, keep_last=1, every_n_minutes=None)
+    trainer = _trainer(tmp_path, max_epochs=3, callbacks=[checkpoint], batch_size=16)
+    _fit(trainer, _model())
+    best, last = checkpoint.manager.best(), checkpoint.manager.latest()
+    assert best is not None and last is not None
+    for which, path in (("best", best), ("last", last)):
+        expected = _model()
+        distkit.load_checkpoint(path, {"model": expected}, strict=False)
+        want = _trainer(tmp_path / "check", batch_size=16, enable_checkpointing=False).validate(
+            expected, _data(16, seed=1), loss_fn=nn.functional.cross_entropy
+        )
+        got = trainer.validate(
+            _model(), _data(16, seed=1), ckpt_path=which, loss_fn=nn.functional.cross_entropy
+        )
+        assert got == want, which
+        assert trainer.test(
+            _model(), _data(16, seed=1), ckpt_path=which, loss_fn=nn.functional.cross_entropy
+        )["test_loss"] == pytest.approx(want["val_loss"])
+
+
+def test_fit_with_ckpt_path_last_continues_the_run(tmp_path: Path) -> None:
+    # Lightning's trainer.fit(model, ckpt_path="last") resumes from the latest checkpoint.
+    first = _trainer(tmp_path, max_epochs=1, batch_size=16)
+    _fit(first, _model())
+    again = _trainer(tmp_path, max_epochs=2, batch_size=16)
+    _fit(again, _model(), ckpt_path="last")
+    assert again.global_step == 8 and again.resume is None  # 4 steps an epoch, resumed at 4
+    fresh = _trainer(tmp_path / "other", max_epochs=1, batch_size=16)
+    _fit(fresh, _model(), ckpt_path="last")  # nothing there yet: a fresh start, as resume="auto"
+    assert fresh.global_step == 4
+
+
+def test_ckpt_path_best_without_a_monitor_or_a_checkpoint_says_why(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, max_epochs=1, batch_size=16)
+    with pytest.raises(ValueError, match="has none: give it one"):
+        trainer.validate(_model(), _data(16), ckpt_path="best", loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match="holds no checkpoint yet"):
+        trainer.validate(_model(), _data(16), ckpt_path="last", loss_fn=nn.functional.cross_entropy)
+    off = _trainer(tmp_path, max_epochs=1, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="checkpointing is off"):
+        off.validate(_model(), _data(16), ckpt_path="last", loss_fn=nn.functional.cross_entropy)
+
+
+def fit_then_save(root: str, path: str) -> list[float]:
+    trainer = _trainer(root, max_epochs=1, batch_size=8, enable_checkpointing=False)
+    model = _model()
+    _fit(trainer, model)
+    trainer.save_checkpoint(path)  # on every rank
+    again = _trainer(root, max_epochs=2, batch_size=8, enable_checkpointing=False, resume=path)
+    resumed = _model()
+    _fit(again, resumed)
+    steps = [float(trainer.global_step), float(again.global_step)]
+    return [float(p.sum()) for p in model.parameters()] + steps
+
+
+def test_save_checkpoint_on_every_rank_writes_a_checkpoint_a_trainer_resumes(
+    ranks: Ranks, tmp_path: Path
+) -> None:
+    # Lightning's trainer.save_checkpoint (tests_pytorch/checkpointing/test_trainer_checkpoint.py):
+    # a checkpoint written after fit, from which training goes on.
+    out = ranks.run(fit_then_save, str(tmp_path), str(tmp_path / "manual"))
+    assert out[0] == out[1]
+    assert out[0][-2:] == [4.0, 8.0], out[0]
+    assert (tmp_path / "manual" / "manifest.json").exists()
+
+
+def save_on_rank_0_only(root: str) -> tuple[float, str] | None:
+    distkit.init("gloo", hang_timeout_s=0)  # no watchdog: the refusal alone must end the wait
+    trainer = _trainer(root, max_epochs=1, batch_size=8, enable_checkpointing=False, hang_timeout_s=None)
+    _fit(trainer, _model())
+    result = None
+    if distkit.get_rank() == 0:
+        start = time.monotonic()
+        outcome: list[Any] = []
+
+        def call() -> None:
+            try:
+                trainer.save_checkpoint(str(Path(root) / "alone"))
+                outcome.append("returned")
+            except distkit.CollectiveMismatchError as err:
+                outcome.append((time.monotonic() - start, str(err)))
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(20.0)
+        assert outcome and outcome[0] != "returned", outcome
+        result = outcome[0]
+    dist.barrier()
+    return result
+
+
+def test_save_checkpoint_on_one_rank_is_refused_at_once(ranks: Ranks, tmp_path: Path) -> None:
+    out = ranks.run(save_on_rank_0_only, str(tmp_path), fresh=True, init=False, timeout_s=120)
+    elapsed, message = out[0]
+    assert elapsed < 15, elapsed
+    assert "all_gather_object" in message and "call it on every rank" in message, message
