@@ -8,9 +8,9 @@ Run:  torchrun --standalone --nproc_per_node=2 examples/train_digits.py
       python examples/train_digits.py           (the Trainer starts its 2 processes itself)
       python examples/train_digits.py --resume  (continue from the latest checkpoint)
 
-Without --resume a run starts over: it deletes the checkpoints a previous run left in --out
-(ModelCheckpoint(overwrite=True)). Without that option distkit would refuse to start a new run in
-a directory holding another run's checkpoints.
+Without --resume a run starts over in a directory of its own: when --out holds an earlier run,
+this one writes to the first free --out-2, --out-3, ... (and says so), so no run's checkpoints are
+lost. --resume continues the run in --out.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def plot_curves(metrics_csv: Path, png: Path) -> None:
     left.set_ylabel("cross-entropy")
     left.set_yscale("log")
     left.legend()
-    right.plot([int(r["epoch"]) + 1 for r in epochs], [100 * float(r["val_acc"]) for r in epochs], "o-")
-    right.set_xlabel("epoch")
+    right.plot([int(r["epoch"]) for r in epochs], [100 * float(r["val_acc"]) for r in epochs], "o-")
+    right.set_xlabel("epoch (0-based, as in the log and metrics.csv)")
     right.xaxis.set_major_locator(MaxNLocator(integer=True))
     right.set_ylabel("validation accuracy (%)")
     right.grid(alpha=0.3)
@@ -86,6 +86,16 @@ def plot_curves(metrics_csv: Path, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def fresh_directory(out: Path) -> Path:
+    """``out``, or the first free ``out-2``, ``out-3``, ... when ``out`` holds an earlier run."""
+    if not (out / "checkpoints").exists() and not (out / "metrics.csv").exists():
+        return out
+    n = 2
+    while Path(f"{out}-{n}").exists():
+        n += 1
+    return Path(f"{out}-{n}")
 
 
 def main() -> None:
@@ -106,6 +116,13 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    if not args.resume:
+        # Decided once (on rank 0 under torchrun) so that every rank writes to the same directory.
+        distkit.init()
+        out = distkit.run_on_main(fresh_directory, args.out)
+        if out != args.out and distkit.is_main_process():
+            print(f"{args.out} holds an earlier run (--resume continues it); this run writes to {out}")
+        args.out = out
     train_set, val_set = load_digits_split(args.seed)
     torch.manual_seed(args.seed)
     model = make_model()
@@ -119,9 +136,7 @@ def main() -> None:
         default_root_dir=args.out,
         resume="auto" if args.resume else None,
         callbacks=[
-            ModelCheckpoint(
-                monitor="val_acc", mode="max", keep_last=2, keep_best=1, overwrite=not args.resume
-            ),
+            ModelCheckpoint(monitor="val_acc", mode="max", keep_last=2, keep_best=1),
             LearningRateMonitor(),
         ],
     )

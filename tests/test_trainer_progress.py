@@ -270,9 +270,13 @@ def test_default_progress_follows_enable_progress_bar_and_whether_stderr_is_a_te
         assert _default_progress(None, [ProgressLog(every_n_steps=10)]) is None  # the user's instead
         assert isinstance(_default_progress(True), _ProgressBar)  # asked for: even in a file
         assert _default_progress(False) is None
-    master, slave = pty.openpty()
+    master, slave = pty.openpty()  # a terminal of no size yet, as CI runners and `script` make
     with os.fdopen(slave, "w") as terminal:
         monkeypatch.setattr(sys, "stderr", terminal)
+        # tqdm would draw nothing on a terminal 0 columns wide until the end: plain lines instead.
+        assert os.get_terminal_size(terminal.fileno()).columns == 0
+        assert isinstance(_default_progress(None), ProgressLog)
+        fcntl.ioctl(terminal.fileno(), termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
         assert isinstance(_default_progress(None), _ProgressBar)
         assert _default_progress(False) is None
     os.close(master)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -289,9 +290,19 @@ def _default_progress(
                 "enable_progress_bar=True needs tqdm: pip install 'distkit[progress]'."
             ) from None
         return ProgressLog()
-    if enable_progress_bar or _is_terminal(sys.stderr):
+    if enable_progress_bar or (_is_terminal(sys.stderr) and _columns(sys.stderr) > 0):
         return _ProgressBar()
+    # A pipe or a file; or a terminal of no known width (a pty made without a size, as CI runners
+    # and `script` give), where tqdm would draw nothing until the end.
     return ProgressLog()
+
+
+def _columns(stream: Any) -> int:
+    """The width of the terminal ``stream`` writes to; 0 when it has none."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 def _is_terminal(stream: Any) -> bool:
