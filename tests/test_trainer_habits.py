@@ -68,7 +68,8 @@ def test_a_fraction_of_an_epoch_validates_that_often_in_every_epoch(
     tmp_path: Path, max_epochs: int, interval: float
 ) -> None:
     # Lightning's tests/trainer/flags/test_val_check_interval.py (test_val_check_interval): 64
-    # batches an epoch, val_check_interval=1/k validates round(k) times in every epoch.
+    # batches an epoch, val_check_interval=1/k validates round(k) times in every epoch. Here the
+    # last of them is the epoch's last step (Lightning's 0.33 validates at 21, 42, 63 of 64).
     counter = CountValidations()
     trainer = _trainer(
         tmp_path,
@@ -79,8 +80,16 @@ def test_a_fraction_of_an_epoch_validates_that_often_in_every_epoch(
     )
     _fit(trainer, _model())
     assert len(counter.steps) == max_epochs * round(1 / interval)
-    every = int(64 * interval)
-    assert counter.steps[: round(1 / interval)] == [every * k for k in range(1, round(1 / interval) + 1)]
+    times = round(1 / interval)
+    assert counter.steps[:times] == [round(k * 64 / times) for k in range(1, times + 1)]
+
+
+def test_a_fraction_ranks_the_epoch_end_checkpoint_for_ckpt_path_best(tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(monitor="val_loss", keep_best=1, every_n_minutes=None)
+    trainer = _trainer(tmp_path, max_epochs=2, val_check_interval=0.33, batch_size=8, callbacks=[checkpoint])
+    _fit(trainer, _model())  # 8 steps an epoch: validations at 3, 5, 8 (and 11, 13, 16)
+    assert checkpoint.manager.best() is not None
+    assert trainer.validate(_model(), _data(16), ckpt_path="best", loss_fn=nn.functional.cross_entropy)
 
 
 def test_an_int_interval_still_counts_optimizer_steps_across_epochs(tmp_path: Path) -> None:

@@ -96,11 +96,11 @@ class Run:
     replicas: int
     # The ModelCheckpoint among the Trainer's callbacks (None without one).
     checkpoint: ModelCheckpoint | None
-    # Validation every so many optimizer steps across epochs (val_check_interval an int), or every
-    # so many steps within the validated epochs (a fraction of an epoch, which then replaces the
-    # epoch-end validation); None: not this way.
+    # Validation every so many optimizer steps across epochs (val_check_interval an int), or at
+    # these steps within the validated epochs, counted from 1 (a fraction of an epoch, which then
+    # replaces the epoch-end validation); None: not this way.
     val_every: int | None = None
-    val_every_in_epoch: int | None = None
+    val_steps_in_epoch: frozenset[int] | None = None
     # Made after the run (a factory may read trainer.total_steps, which reads the run).
     lr_scheduler: Any = None
     # The callbacks of this fit() (a progress display included), and those overriding

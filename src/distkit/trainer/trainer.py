@@ -98,10 +98,11 @@ class Trainer:
             none there (only every ``val_check_interval`` steps).
         val_check_interval: An int: also validate every this many optimizer steps, counted across
             epochs, mid-epoch too (as nanoGPT's ``eval_interval``; Lightning's int counts batches
-            within an epoch instead). A float in (0, 1]: a fraction of an epoch, as Lightning's:
-            ``0.25`` validates after each quarter of the optimizer steps of every epoch that
-            ``check_val_every_n_epoch`` selects, in place of its end-of-epoch validation. An
-            epoch-end validation at a step just validated is not repeated. Validation comes before
+            within an epoch instead). A float ``f`` in (0, 1]: a fraction of an epoch, as Lightning's:
+            ``round(1/f)`` validations in every epoch that ``check_val_every_n_epoch`` selects, at
+            evenly spread optimizer steps, the last at the epoch's end (``0.25``: after each
+            quarter), in place of its end-of-epoch validation. An epoch-end validation at a step
+            just validated is not repeated. Validation comes before
             the step's checkpoint, so resuming stays exact.
         callbacks: :class:`Callback` objects (hooks run on every rank, in order).
         logger: ``True`` for a :class:`CSVLogger` in ``default_root_dir``, ``False`` for none, or

@@ -218,9 +218,11 @@ def end_epoch(run: Run) -> None:
     """Validate (unless it was done at this very step), reduce the epoch's metrics in one
     collective, run the epoch-end hooks, and agree on stopping."""
     # A fraction of an epoch (val_check_interval=0.25) validates within the epoch instead.
-    due = run.val_loader is not None and run.val_every_in_epoch is None and validated_epoch(run)
+    due = run.val_loader is not None and run.val_steps_in_epoch is None and validated_epoch(run)
     done_at, done_metrics = run.last_validation
-    already = due and done_at == run.global_step
+    # Validated at this very step (val_check_interval): the epoch's metrics carry that validation,
+    # so that an epoch-end checkpoint is ranked by it.
+    already = done_at == run.global_step and (due or run.val_steps_in_epoch is not None)
     local = validate(run) if due and not already else {}
     local["train_loss_epoch"] = (run.epoch_sum, float(run.epoch_count))
     # The epoch end's one collective for metrics: the training loss and every validation sum

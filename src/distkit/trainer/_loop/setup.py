@@ -130,7 +130,7 @@ def setup(
         num_batches = _shortest_epoch(num_batches)
     if num_batches == 0:
         raise ValueError("the training data gives no batch on this rank; use more data or a smaller batch.")
-    val_every, val_every_in_epoch = _validation_schedule(trainer, num_batches)
+    val_every, val_steps_in_epoch = _validation_schedule(trainer, num_batches)
     run = Run(
         trainer=trainer,
         plan=plan,
@@ -158,7 +158,7 @@ def setup(
         replicas=replicas,
         checkpoint=checkpoint_callback(trainer.callbacks),
         val_every=val_every,
-        val_every_in_epoch=val_every_in_epoch,
+        val_steps_in_epoch=val_steps_in_epoch,
     )
     on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
@@ -283,9 +283,12 @@ def evaluation_checkpoint(trainer: Options, ckpt_path: str | os.PathLike[str]) -
     return found
 
 
-def _validation_schedule(trainer: Options, num_batches: int | None) -> tuple[int | None, int | None]:
-    """``val_check_interval`` as ``(every so many optimizer steps, across epochs; every so many
-    steps within an epoch)``: an int is the first, a fraction of an epoch the second."""
+def _validation_schedule(
+    trainer: Options, num_batches: int | None
+) -> tuple[int | None, frozenset[int] | None]:
+    """``val_check_interval`` as ``(every so many optimizer steps, across epochs; the steps within
+    an epoch)``: an int is the first; a fraction ``f`` of an epoch the second, ``round(1/f)`` steps
+    spread evenly, the last one the epoch's last step (so the epoch-end checkpoint is ranked by it)."""
     interval = trainer.val_check_interval
     if not isinstance(interval, float):
         return interval, None
@@ -295,7 +298,8 @@ def _validation_schedule(trainer: Options, num_batches: int | None) -> tuple[int
             f"whose epoch length is unknown; give a number of optimizer steps (an int) instead."
         )
     steps = -(-num_batches // trainer.accumulate_grad_batches)
-    return None, max(1, int(steps * interval))
+    times = max(1, round(1 / interval))
+    return None, frozenset(max(1, round(k * steps / times)) for k in range(1, times + 1))
 
 
 def _shortest_epoch(mine: int | None) -> int | None:

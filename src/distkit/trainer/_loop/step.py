@@ -188,11 +188,10 @@ def _validation_due(run: Run) -> bool:
     every = run.val_every
     if every is not None:
         return run.global_step % every == 0
-    every = run.val_every_in_epoch
-    if every is None or not _evaluate.validated_epoch(run):
+    steps = run.val_steps_in_epoch
+    if steps is None or not _evaluate.validated_epoch(run):
         return False
-    step_in_epoch = -(-run.batches_done // run.trainer.accumulate_grad_batches)
-    return step_in_epoch % every == 0
+    return -(-run.batches_done // run.trainer.accumulate_grad_batches) in steps
 
 
 def _clip_gradients(run: Run, clip: float) -> bool:
