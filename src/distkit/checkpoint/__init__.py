@@ -26,7 +26,8 @@ and import only downwards: ``_errors`` (the two errors, defined low because ever
 <- ``_format`` (file names, serialization, the manifest) <- ``_files`` (local and fsspec storage,
 safe opening, verification) <- ``_lock`` (one writer per directory); ``_state`` converts live
 objects to a state and back, ``_resume`` holds :class:`ResumeState`, ``_commit`` how the ranks agree
-on a save, ``_sharded`` the sharded I/O through DCP, ``_io`` one checkpoint's save and load,
+on a save, ``_sharded`` the sharded writes through DCP and ``_dcp_load`` the reads of a DCP
+directory, ``_io`` one checkpoint's save and load,
 ``_retention`` a directory's step checkpoints, ``_async`` the save in flight of an asynchronous
 manager, and ``_manager`` the :class:`CheckpointManager` (who writes, when, retention, resumes).
 ``_command`` is the ``distkit checkpoint`` command.

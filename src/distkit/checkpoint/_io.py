@@ -28,6 +28,7 @@ from distkit.checkpoint._commit import (
     _reported_to_the_others,
     _resolve_timeout,
 )
+from distkit.checkpoint._dcp_load import _load_everything, _restore_sharded
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._files import (
     _check_crc,
@@ -47,7 +48,7 @@ from distkit.checkpoint._format import (
     _run_beside,
 )
 from distkit.checkpoint._resume import ResumeState
-from distkit.checkpoint._sharded import _load_everything, _restore_sharded, _save_sharded, _use_sharded
+from distkit.checkpoint._sharded import _save_sharded, _use_sharded
 from distkit.checkpoint._state import _check_loadable, _check_state, _collect, _restore
 from distkit.errors import DistkitError
 

@@ -10,18 +10,14 @@ the size and CRC32 of every file, and renames the directory into place.
 
 Optimizers are saved by parameter name, paired with their module through DCP's
 ``get_optimizer_state_dict``, so a checkpoint loads on any world size and into FSDP, DDP or a plain
-module alike: DCP reads, for each rank, the pieces its own shards need.
-
-Loading never unpickles arbitrary objects: DCP's ``.metadata`` is read with an unpickler that allows
-DCP's own metadata classes only, and DCP's non-tensor values with ``torch.load(weights_only=True)``.
+module alike: DCP reads, for each rank, the pieces its own shards need. Reading is
+:mod:`distkit.checkpoint._dcp_load`'s concern.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import pickle
 import re
 import threading
 import warnings
@@ -29,7 +25,6 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 from torch import nn
 
 from distkit import runtime
@@ -412,183 +407,3 @@ def _start_async_sharded(
     thread = threading.Thread(target=run, name=name)
     thread.start()
     return thread
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading: DCP reads what this rank's objects need, with nothing unpickled but DCP's own metadata.
-
-
-def _metadata_classes() -> frozenset[Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    return frozenset(
-        value
-        for value in vars(metadata).values()
-        if isinstance(value, type) and value.__module__ == metadata.__name__
-    ) | {filesystem._StorageInfo}
-
-
-# Globals that DCP's .metadata names besides its own classes and torch's dtypes and layouts: the
-# checkpoint id is a path, and layouts are rebuilt by name.
-_METADATA_GLOBALS = frozenset(
-    {
-        ("collections", "OrderedDict"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "Path"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
-)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata``: DCP's metadata classes, torch sizes, dtypes and layouts, paths."""
-
-    allowed: frozenset[Any] = frozenset()
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        found = super().find_class(module, name) if module == "torch" or module.startswith("torch.") else None
-        if found is not None and (
-            found in self.allowed
-            or found is torch.Size
-            or isinstance(found, (torch.dtype, torch.layout, torch.memory_format))
-        ):
-            return found
-        raise pickle.UnpicklingError(f"global {module}.{name} is not one of DCP's metadata types")
-
-
-def _check_metadata(path: str) -> None:
-    """Refuse DCP's ``.metadata`` unless it holds DCP's metadata types only (it is then unpickled)."""
-    file = os.path.join(path, _DCP_METADATA_FILE)
-    with os.fdopen(_open_regular(path, file), "rb") as handle:
-        unpickler = _MetadataUnpickler(handle)
-        unpickler.allowed = _metadata_classes()
-        try:
-            unpickler.load()
-        except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as err:
-            raise DistkitError(
-                f"refused to load {redact_url(file)}: {err}. distkit never unpickles arbitrary "
-                f"objects, because unpickling can run code, and a sharded checkpoint's .metadata "
-                f"holds torch.distributed.checkpoint's metadata types only."
-            ) from err
-
-
-def _reader(path: str) -> Any:
-    """DCP's reader of ``path``, which checks ``.metadata`` before DCP unpickles it."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    _check_metadata(path)  # here, so that a refusal is raised as it is, not wrapped by DCP
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            _check_metadata(path)
-            return super().read_metadata(*args, **kwargs)
-
-    return SafeReader(path)
-
-
-def _safe_bytes(value: io.BytesIO) -> io.BytesIO:
-    """``value`` once ``torch.load(weights_only=True)`` accepted it (DCP then loads it as it is)."""
-    position = value.tell()
-    torch.load(value, weights_only=True)
-    value.seek(position)
-    return value
-
-
-def _planner(*, everything: bool, strict: bool) -> Any:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
-    base = _EmptyStateDictLoadPlanner if everything else DefaultLoadPlanner
-
-    class SafePlanner(base):  # type: ignore[valid-type,misc]
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            super().load_bytes(read_item, _safe_bytes(value))
-
-    return SafePlanner() if everything else SafePlanner(allow_partial_load=not strict)
-
-
-def _load_everything(path: str) -> dict[str, Any]:
-    """Every DCP entry of the sharded checkpoint at ``path``, as full CPU tensors. Local."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    loaded: dict[str, Any] = {}
-    _load_state_dict(
-        loaded, storage_reader=_reader(path), planner=_planner(everything=True, strict=False), no_dist=True
-    )
-    return loaded
-
-
-def _restore_sharded(
-    path: str, manifest: Mapping[str, Any], state: Mapping[str, Any], strict: bool
-) -> dict[str, Any]:
-    """Load the DCP entries of ``state`` from the sharded checkpoint at ``path``, resharded to this
-    rank's objects (FSDP, DDP or plain); return them as this rank's state dicts. Local."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    saved = manifest["sharded"]
-    owners = _optimizer_owners(state)
-    keys = [key for key in saved["keys"] if key in state]
-    targets: dict[str, Any] = {}
-    for key in keys:
-        value = state[key]
-        if isinstance(value, nn.Module):
-            targets[key] = get_model_state_dict(value)
-        elif isinstance(value, torch.optim.Optimizer) and key in owners:
-            targets[key] = get_optimizer_state_dict(state[owners[key]], value)
-        elif isinstance(value, torch.optim.Optimizer):
-            raise DistkitError(
-                f"checkpoint {redact_url(path)} saved state[{key!r}] by parameter name (a sharded "
-                f"checkpoint), so restoring it needs the module it trains in the same state, e.g. "
-                f"{{{saved['optimizers'].get(key, 'model')!r}: model, {key!r}: optimizer}}."
-            )
-        else:
-            raise DistkitError(
-                f"checkpoint {redact_url(path)} holds state[{key!r}] as a sharded module or "
-                f"optimizer, but the state given has a {type(value).__name__} there; pass the "
-                f"module or optimizer."
-            )
-    if not targets:
-        return {}
-    try:
-        # DCP's loader without its process-group lookup: each rank plans its own reads (local).
-        _load_state_dict(
-            targets,
-            storage_reader=_reader(path),
-            planner=_planner(everything=False, strict=strict),
-            no_dist=True,
-        )
-    except DistkitError:
-        raise
-    except BaseException as err:  # DCP's CheckpointException is a BaseException
-        err = _this_ranks_failure(err, rank=0) or err  # rank 0 of its own (no_dist) load
-        if isinstance(err, DistkitError):
-            raise err from None
-        if not isinstance(err, Exception):
-            raise
-        raise DistkitError(
-            f"could not restore {sorted(targets)} from checkpoint {redact_url(path)}: {err}"
-        ) from err
-    options = StateDictOptions(strict=strict)
-    for key in keys:
-        value = state[key]
-        try:
-            if isinstance(value, nn.Module):
-                set_model_state_dict(value, targets[key], options=options)
-            else:
-                set_optimizer_state_dict(state[owners[key]], value, targets[key], options=options)
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise DistkitError(
-                f"could not restore state[{key!r}] into {type(value).__name__}: {err}"
-            ) from err
-    return targets
