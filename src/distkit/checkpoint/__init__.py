@@ -21,16 +21,23 @@ checkpoint: every rank writes its own shards through ``torch.distributed.checkpo
 ``state.pt``, under the same manifest and commit, and it loads on any world size, into FSDP, DDP or
 a plain module; :func:`consolidate_checkpoint` turns one into a full checkpoint.
 
+Checkpoints of other tools (docs/checkpoints.md, "Checkpoints from other tools"): a
+``torch.distributed.checkpoint`` directory without a manifest (torchtitan's ``step-N``) loads as it
+is; any other path is named for what it is (:class:`ForeignCheckpointError`), and only a distkit
+save that did not finish is called one.
+
 This package's ``__init__`` is the public API; the modules below it are private, one concern each,
-and import only downwards: ``_errors`` (the two errors, defined low because every part raises them)
-<- ``_format`` (file names, serialization, the manifest) <- ``_files`` (local and fsspec storage,
-safe opening, verification) <- ``_lock`` (one writer per directory); ``_state`` converts live
-objects to a state and back, ``_resume`` holds :class:`ResumeState`, ``_commit`` how the ranks agree
-on a save, ``_sharded`` the sharded writes through DCP and ``_dcp_load`` the reads of a DCP
-directory, ``_io`` one checkpoint's save and load,
-``_retention`` a directory's step checkpoints, ``_async`` the save in flight of an asynchronous
-manager, and ``_manager`` the :class:`CheckpointManager` (who writes, when, retention, resumes).
-``_command`` is the ``distkit checkpoint`` command.
+and import only downwards: ``_errors`` (the three errors, defined low because every part raises
+them) <- ``_format`` (file names, serialization, the manifest) <- ``_foreign`` (other tools'
+layouts, recognized by their files) <- ``_files`` (local and fsspec storage, safe opening,
+verification) <- ``_lock`` (one writer per directory); ``_state`` converts live objects to a state
+and back, ``_resume`` holds :class:`ResumeState`, ``_commit`` how the ranks agree on a save,
+``_sharded`` the sharded writes through DCP and ``_dcp_load`` every read of a DCP directory,
+``_plain_dcp`` the DCP directories distkit did not write, ``_io`` one checkpoint's save and load,
+``_retention`` a directory's
+step checkpoints, ``_async`` the save in flight of an asynchronous manager, and ``_manager`` the
+:class:`CheckpointManager` (who writes, when, retention, resumes). ``_command`` is the ``distkit
+checkpoint`` command.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
-from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError
+from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, ForeignCheckpointError
 from distkit.checkpoint._files import _storage_for
 from distkit.checkpoint._io import _consolidate, _load_verified, _restore_into, _save_checkpoint
 from distkit.checkpoint._manager import CheckpointManager
+from distkit.checkpoint._plain_dcp import _load_plain_dcp
 from distkit.checkpoint._resume import ResumeState
 
 __all__ = [
@@ -52,6 +60,7 @@ __all__ = [
     "CheckpointConflictError",
     "CheckpointCorruptError",
     "CheckpointManager",
+    "ForeignCheckpointError",
     "ResumeState",
     "consolidate_checkpoint",
     "load_checkpoint",
@@ -165,20 +174,38 @@ def load_checkpoint(
     optimizer the same way, each rank keeping its own slices. Without ``state``, a sharded
     checkpoint's modules and optimizers come back whole, as CPU tensors keyed by parameter name.
 
+    **Checkpoints of other tools.** A ``torch.distributed.checkpoint`` directory without a distkit
+    manifest (``.metadata`` and ``*.distcp`` files: torchtitan's ``step-N``, anything ``dcp.save``
+    wrote) loads as it is, resharded the same way: a module is found under ``"<key>."`` (``dcp.save(
+    {"model": model.state_dict(), ...})``) or at the top level (torchtitan), an optimizer keyed by
+    parameter name, flattened (torchtitan) or by number (``optimizer.state_dict()``). It has no
+    checksums to verify. An Accelerate ``save_state`` directory or a Lightning ``.ckpt`` is refused
+    with :class:`ForeignCheckpointError` naming what it is.
+
     Args:
         path: Checkpoint directory, local or fsspec URL.
         state: Names to objects to restore into; ``None`` only loads.
         map_location: Where tensors go: ``"auto"`` (this rank's device, :func:`distkit.get_device`)
             or anything ``torch.load`` accepts.
-        strict: Require every key of ``state`` in the checkpoint and exact module keys.
+        strict: Require every key of ``state`` in the checkpoint and exact module keys. For a
+            checkpoint distkit did not write (a DCP directory), which holds no distkit bookkeeping:
+            every module of ``state`` must be in it and match exactly (no parameter missing, extra
+            or reshaped), and an optimizer it holds must match its module; the entries it lacks (a
+            :class:`ResumeState`, counters, callbacks, a loader's position, an optimizer it has
+            none of) start fresh, listed in one warning. ``False`` also loads a module in part and
+            leaves a module it lacks as it is.
 
     Returns:
         Everything the checkpoint holds, as loaded (modules as state dicts).
 
     Raises:
         FileNotFoundError: Nothing exists at ``path`` ("checkpoint not found").
-        NotADirectoryError: ``path`` is a file, not a checkpoint directory.
-        CheckpointCorruptError: The manifest is missing or malformed, a listed file is missing, is
+        NotADirectoryError: ``path`` is a file, not a checkpoint directory (and no Lightning one).
+        ForeignCheckpointError: ``path`` is another tool's checkpoint that must be imported first
+            (Accelerate, Lightning) or a directory of other files: the message says which, and the
+            command.
+        CheckpointCorruptError: A save that did not finish (only distkit's files, no manifest), an
+            empty directory, a malformed manifest, a listed file that is missing, is
             not a regular file (a FIFO, device or symlink is refused without being opened), or its
             size or checksum does not match the manifest (names the file).
         DistkitError: The manifest has a newer ``format_version`` than this distkit reads (upgrade
@@ -192,7 +219,16 @@ def load_checkpoint(
         >>> _ = distkit.load_checkpoint("/tmp/ckpt_example", {"model": model})
     """
     storage, target = _storage_for(path)
-    loaded, manifest = _load_verified(storage, target, map_location)
+    try:
+        verified = _load_verified(storage, target, map_location)
+    except ForeignCheckpointError as err:
+        if err.kind != "dcp":
+            raise
+        # Told apart only once there is no manifest: a distkit checkpoint costs no extra listing.
+        verified = None
+    if verified is None:
+        return _load_plain_dcp(storage, target, state, strict=strict, stacklevel=3)
+    loaded, manifest = verified
     return _restore_into(target, loaded, manifest, state, strict, stacklevel=3)
 
 

@@ -126,7 +126,9 @@ def _list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print(f"no checkpoints in {redact_url(directory)}")
+        foreign = _StepDirectory(storage, directory).foreign_only(label=False)
+        # Another tool's checkpoints are not "no checkpoints": say what they are and how to load them.
+        print(f"no checkpoints in {redact_url(directory)}" if foreign is None else str(foreign))
         return 0
     for row in rows:
         if row["status"] != "committed":

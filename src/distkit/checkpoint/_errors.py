@@ -1,6 +1,6 @@
 """The errors of distkit's checkpoints and the ``[rank R/W]`` prefix of their messages (private).
 
-The two public errors are defined here, at the bottom of the checkpoint modules, because the
+The three public errors are defined here, at the bottom of the checkpoint modules, because the
 format, storage and lock modules raise them; :mod:`distkit.checkpoint` re-exports them, and users
 import them from there (their ``__module__`` says so). A checkpoint path or URL appears in a
 message, and in these errors' attributes, only through :func:`distkit._utils.secrets.redact_url`.
@@ -15,7 +15,7 @@ from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.errors import DistkitError
 
-__all__ = ["CheckpointConflictError", "CheckpointCorruptError"]
+__all__ = ["CheckpointConflictError", "CheckpointCorruptError", "ForeignCheckpointError"]
 
 
 class CheckpointCorruptError(DistkitError):
@@ -40,6 +40,51 @@ class CheckpointCorruptError(DistkitError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.path, self.reason)
+
+
+class ForeignCheckpointError(DistkitError):
+    """A path holds another tool's checkpoint, or files that are no checkpoint: not a distkit one.
+
+    Raised where a distkit checkpoint is needed and the path is something else, instead of calling it
+    damaged: an Accelerate ``save_state`` directory, a Lightning ``.ckpt`` file, a
+    ``torch.distributed.checkpoint`` directory (torchtitan's ``step-N``) where only a distkit
+    checkpoint will do (``consolidate``, ``inspect``), or a :class:`CheckpointManager` directory that
+    holds such checkpoints and no distkit one. The message says what the path looks like and the
+    command that loads or converts it.
+
+    Attributes:
+        path: The path (a URL without the credentials it may carry).
+        kind: What was recognized, for programs: ``"dcp"``, ``"accelerate"``, ``"lightning"``,
+            ``"lightning-sharded"``, ``"hf-sharded"`` or ``"unknown"``.
+        layout: The same, in words, e.g. ``"an Accelerate save_state directory (model.safetensors,
+            optimizer.bin)"``.
+        fix: How to load or convert it.
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     distkit.load_checkpoint("runs/accelerate/checkpoint_3", state)
+        ... except distkit.ForeignCheckpointError as err:
+        ...     print(err.kind, err.fix)
+    """
+
+    # Public as distkit.checkpoint.ForeignCheckpointError: tracebacks and pickles say so.
+    __module__ = "distkit.checkpoint"
+
+    def __init__(self, path: str, kind: str, layout: str, fix: str, *, message: str | None = None) -> None:
+        path = redact_url(path)
+        said = fix if fix.startswith("distkit") else fix[:1].upper() + fix[1:]
+        super().__init__(message or f"{path} is not a distkit checkpoint: it looks like {layout}. {said}.")
+        self.path = path
+        self.kind = kind
+        self.layout = layout
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_foreign, (self.path, self.kind, self.layout, self.fix, str(self))
+
+
+def _rebuild_foreign(path: str, kind: str, layout: str, fix: str, message: str) -> ForeignCheckpointError:
+    return ForeignCheckpointError(path, kind, layout, fix, message=message)
 
 
 class CheckpointConflictError(DistkitError):

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from distkit._utils.fs import fsync_dir, temp_name
 from distkit._utils.secrets import Scrubber, redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
+from distkit.checkpoint._foreign import _identify_file, _without_manifest
 from distkit.checkpoint._format import (
     _MANIFEST_FILE,
     _MAX_MANIFEST_BYTES,
@@ -554,13 +555,16 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
             f"CheckpointManager(directory).latest() gives the newest.",
         )
     if kind == "file":
+        layout = _identify_file(path) if isinstance(storage, _LocalStorage) else None
+        if layout is not None:
+            raise layout.error(path)
         raise NotADirectoryError(
             errno.ENOTDIR,
             f"{redact_url(path)} is a file, not a checkpoint directory: a distkit checkpoint is a directory "
             f"holding {_STATE_FILE} and {_MANIFEST_FILE}. Pass that directory (a file written by "
             f"torch.save loads with torch.load(path, weights_only=True))",
         )
-    raise CheckpointCorruptError(path, f"it has no {_MANIFEST_FILE} (a save that did not finish)")
+    raise _without_manifest(path, storage.contents(path) or set())
 
 
 def _verify(storage: _Storage, path: str, *, checksums: bool) -> dict[str, Any]:

@@ -459,11 +459,20 @@ class CheckpointManager:
         ``path = manager.latest(); load_checkpoint(path, state)`` followed by ``save()`` continues
         that run, and a requeued job written that way keeps working.
 
+        Raises:
+            ForeignCheckpointError: The directory holds no distkit checkpoint but other tools' ones
+                (torchtitan's ``step-N`` directories, Accelerate's ``checkpoint_N``, Lightning's
+                ``*.ckpt``): the message names them and how to load or convert the newest. An empty or
+                missing directory returns ``None``.
+            DistkitError: The newest checkpoint has a newer ``format_version`` (upgrade distkit).
+
         Example:
             >>> manager.latest()  # doctest: +SKIP
             '/tmp/ckpts_example/step_000000100'
         """
         entries = self._dir.entries()
+        if not entries and (foreign := self._dir.foreign_only()) is not None:
+            raise foreign
         found = self._dir.first_that_verifies([e for e in entries if e.committed], entries, self._in_flight())
         if found is None:
             return None
@@ -512,6 +521,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointConflictError: Another writer holds the directory.
+            ForeignCheckpointError: The directory holds no distkit checkpoint but other tools' ones
+                (as for :meth:`latest`), on every rank.
             DistkitError: Restoring failed on another rank (this rank re-raises its own error),
                 ranks restored different steps (the directory changed while they read it), or the
                 newest checkpoint has a newer ``format_version`` (upgrade distkit).
@@ -552,6 +563,8 @@ class CheckpointManager:
 
     def _restore_newest(self, state: Mapping[str, Any], strict: bool) -> int | None:
         entries = self._dir.entries()
+        if not entries and (foreign := self._dir.foreign_only()) is not None:
+            raise foreign
         for entry in (e for e in entries if e.committed):
             try:
                 loaded, manifest = _load_verified(self._storage, entry.path, "auto")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._errors import CheckpointCorruptError, _label
+from distkit.checkpoint._errors import CheckpointCorruptError, ForeignCheckpointError, _label
 from distkit.checkpoint._files import _join, _read_manifest, _Storage, _verify
+from distkit.checkpoint._foreign import _foreign_checkpoints
 from distkit.checkpoint._format import (
     _LEFTOVER_RE,
     _MANIFEST_FILE,
@@ -65,6 +66,34 @@ class _StepDirectory:
             )
         return sorted(entries, key=lambda e: (e.step, e.committed), reverse=True)
 
+    def foreign_only(self, *, label: bool = True) -> ForeignCheckpointError | None:
+        """The error to raise when the directory holds no distkit checkpoint but other tools' ones
+        (torchtitan's ``step-N``, Accelerate's ``checkpoint_N``, Lightning's ``*.ckpt``), else ``None``:
+        a resume must not start over in silence where a run's checkpoints are (issue 28). An empty or
+        missing directory is a fresh start and returns ``None``. Reads the directory once more."""
+        found = _foreign_checkpoints(
+            self.storage.listing(self.directory), self.storage.contents(self.directory) or set()
+        )
+        if not found:
+            return None
+        newest, layout = found[0]
+        path = _join(self.directory, newest)
+        names = ", ".join(name for name, _ in found[:5]) + (
+            f", ... ({len(found)} in all)" if len(found) > 5 else ""
+        )
+        message = (
+            f"{_label() + ' ' if label else ''}the checkpoint directory {redact_url(self.directory)} holds "
+            f"no distkit checkpoint (step_<N> directories with a {_MANIFEST_FILE}) but {len(found)} of "
+            f"another tool: {names}; the "
+            f"newest, {newest}, looks like {layout.description}. A CheckpointManager (and "
+            f"Trainer(resume='auto')) resumes only from its own checkpoints, so it did not start over in "
+            f"silence here. To continue from {newest}: {layout.fix(path)}. A run started that way saves "
+            f"its own step_<N> checkpoints, beside these."
+        )
+        return ForeignCheckpointError(
+            path, layout.kind, layout.description, layout.fix(path), message=message
+        )
+
     def first_that_verifies(
         self, candidates: list[_Entry], entries: list[_Entry], in_flight: int | None
     ) -> _Entry | None:
@@ -90,11 +119,15 @@ class _StepDirectory:
     def warn_partials(self, entries: list[_Entry], *, above: int, in_flight: int | None) -> None:
         for entry in entries:
             if not entry.committed and entry.step > above and entry.step != in_flight:
-                warnings.warn(
-                    f"{_label()} skipping partial checkpoint {redact_url(entry.path)}: it has no "
-                    f"{_MANIFEST_FILE} (a save that did not finish).",
-                    stacklevel=4,
+                # Only what a distkit save leaves is "a save that did not finish" (issue 28).
+                what = (
+                    f"partial checkpoint {redact_url(entry.path)}: it has no {_MANIFEST_FILE} (a save that "
+                    f"did not finish)"
+                    if entry.leftover or entry.holds_only_own_files
+                    else f"{redact_url(entry.path)}: it has no {_MANIFEST_FILE} and holds files distkit did "
+                    f"not write ({self.foreign(entry)}), so it is not a distkit checkpoint"
                 )
+                warnings.warn(f"{_label()} skipping {what}.", stacklevel=4)
 
     def ranked_by_metric(self, committed: list[_Entry], monitor: str, mode: str) -> list[_Entry]:
         scored = []
