@@ -1,5 +1,5 @@
 """The ``distkit`` command: ``distkit env`` checks the configuration, ``distkit bench`` measures scaling,
-``distkit checkpoint`` lists, inspects and consolidates checkpoints.
+``distkit checkpoint`` lists, inspects, consolidates and imports checkpoints.
 
 ``distkit env [--json]`` reports versions, GPUs, the launcher detected, what :func:`distkit.init`
 would pick and the relevant environment variables, with the problems it sees; it exits with 1
@@ -420,11 +420,14 @@ def _parser() -> argparse.ArgumentParser:
 
     checkpoint = commands.add_parser(
         "checkpoint",
-        help="list, inspect or consolidate checkpoints",
+        help="list, inspect, consolidate or import checkpoints",
         description="List the step checkpoints of a CheckpointManager directory, inspect one checkpoint's "
-        "manifest, or consolidate a sharded checkpoint into one full state.pt for inference.",
+        "manifest, consolidate a sharded checkpoint into one full state.pt for inference, or import a "
+        "Lightning or Accelerate checkpoint.",
     )
-    actions = checkpoint.add_subparsers(dest="action", required=True, metavar="{list,inspect,consolidate}")
+    actions = checkpoint.add_subparsers(
+        dest="action", required=True, metavar="{list,inspect,consolidate,import}"
+    )
     listing = actions.add_parser("list", help="the step checkpoints of a directory and their state")
     listing.add_argument("directory", help="a CheckpointManager directory (local path or fsspec URL)")
     inspect = actions.add_parser("inspect", help="one checkpoint's manifest: step, format, entries, files")
@@ -442,6 +445,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("src", help="the checkpoint to read (sharded or full)")
     consolidate.add_argument("dst", help="the full checkpoint directory to write")
+    importing = actions.add_parser(
+        "import",
+        help="convert a Lightning .ckpt or an Accelerate save_state directory into a distkit checkpoint",
+        description="Read SRC (a Lightning .ckpt file or an Accelerate save_state directory) with "
+        "torch.load(weights_only=True) and write its model and optimizer state to DST as a committed "
+        "distkit checkpoint, which Trainer(resume=DST) and distkit.load_checkpoint read; print what was "
+        "carried over and what was not. A torch.distributed.checkpoint directory (torchtitan) needs no "
+        "import: distkit loads it as it is.",
+    )
+    importing.add_argument("src", help="a Lightning .ckpt file or an Accelerate save_state directory")
+    importing.add_argument("dst", help="the distkit checkpoint directory to write (new or empty)")
+    importing.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="strip PREFIX from the model's keys, leaving out the keys without it; '' keeps every key "
+        "(default: Lightning's prefix common to every key, the LightningModule's attribute such as "
+        "'model.', is stripped; Accelerate's keys are kept)",
+    )
+    importing.add_argument(
+        "--step", type=int, default=None, help="the step to record (default: the one found, if any)"
+    )
     checkpoint.set_defaults(func=_cmd_checkpoint)
     return parser
 
@@ -456,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 on success; 1 when ``env`` found an error, ``bench`` failed, or ``checkpoint`` found the
-        checkpoint missing, corrupt or not consolidable; 2 on a usage error.
+        checkpoint missing, corrupt, not consolidable or not importable; 2 on a usage error.
 
     Example:
         >>> from distkit.cli import main

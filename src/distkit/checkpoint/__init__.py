@@ -23,8 +23,9 @@ a plain module; :func:`consolidate_checkpoint` turns one into a full checkpoint.
 
 Checkpoints of other tools (docs/checkpoints.md, "Checkpoints from other tools"): a
 ``torch.distributed.checkpoint`` directory without a manifest (torchtitan's ``step-N``) loads as it
-is; any other path is named for what it is (:class:`ForeignCheckpointError`), and only a distkit
-save that did not finish is called one.
+is; :func:`import_checkpoint` (``distkit checkpoint import``) converts a Lightning ``.ckpt`` or an
+Accelerate ``save_state`` directory; any other path is named for what it is
+(:class:`ForeignCheckpointError`), and only a distkit save that did not finish is called one.
 
 This package's ``__init__`` is the public API; the modules below it are private, one concern each,
 and import only downwards: ``_errors`` (the three errors, defined low because every part raises
@@ -34,7 +35,7 @@ verification) <- ``_lock`` (one writer per directory); ``_state`` converts live 
 and back, ``_resume`` holds :class:`ResumeState`, ``_commit`` how the ranks agree on a save,
 ``_sharded`` the sharded writes through DCP and ``_dcp_load`` every read of a DCP directory,
 ``_plain_dcp`` the DCP directories distkit did not write, ``_io`` one checkpoint's save and load,
-``_retention`` a directory's
+``_import`` the conversion of Lightning and Accelerate checkpoints, ``_retention`` a directory's
 step checkpoints, ``_async`` the save in flight of an asynchronous manager, and ``_manager`` the
 :class:`CheckpointManager` (who writes, when, retention, resumes). ``_command`` is the ``distkit
 checkpoint`` command.
@@ -49,6 +50,7 @@ from typing import Any, Literal
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
 from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, ForeignCheckpointError
 from distkit.checkpoint._files import _storage_for
+from distkit.checkpoint._import import ImportReport, _import_checkpoint
 from distkit.checkpoint._io import _consolidate, _load_verified, _restore_into, _save_checkpoint
 from distkit.checkpoint._manager import CheckpointManager
 from distkit.checkpoint._plain_dcp import _load_plain_dcp
@@ -61,8 +63,10 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointManager",
     "ForeignCheckpointError",
+    "ImportReport",
     "ResumeState",
     "consolidate_checkpoint",
+    "import_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
 ]
@@ -180,7 +184,8 @@ def load_checkpoint(
     {"model": model.state_dict(), ...})``) or at the top level (torchtitan), an optimizer keyed by
     parameter name, flattened (torchtitan) or by number (``optimizer.state_dict()``). It has no
     checksums to verify. An Accelerate ``save_state`` directory or a Lightning ``.ckpt`` is refused
-    with :class:`ForeignCheckpointError` naming what it is.
+    with :class:`ForeignCheckpointError` naming :func:`import_checkpoint`, which converts it; the
+    checkpoint that makes loads here.
 
     Args:
         path: Checkpoint directory, local or fsspec URL.
@@ -188,12 +193,12 @@ def load_checkpoint(
         map_location: Where tensors go: ``"auto"`` (this rank's device, :func:`distkit.get_device`)
             or anything ``torch.load`` accepts.
         strict: Require every key of ``state`` in the checkpoint and exact module keys. For a
-            checkpoint distkit did not write (a DCP directory), which holds no distkit bookkeeping:
-            every module of ``state`` must be in it and match exactly (no parameter missing, extra
-            or reshaped), and an optimizer it holds must match its module; the entries it lacks (a
-            :class:`ResumeState`, counters, callbacks, a loader's position, an optimizer it has
-            none of) start fresh, listed in one warning. ``False`` also loads a module in part and
-            leaves a module it lacks as it is.
+            checkpoint distkit did not write (a DCP directory) or imported (:func:`import_checkpoint`),
+            which hold no distkit bookkeeping: every module of ``state`` must be in it and match
+            exactly (no parameter missing, extra or reshaped), and an optimizer it holds must match
+            its module; the entries it lacks (a :class:`ResumeState`, counters, callbacks, a loader's
+            position, an optimizer it has none of) start fresh, listed in one warning. ``False`` also
+            loads a module in part and leaves a module it lacks as it is.
 
     Returns:
         Everything the checkpoint holds, as loaded (modules as state dicts).
@@ -270,3 +275,63 @@ def consolidate_checkpoint(
         '/tmp/ckpt_example_full'
     """
     return _consolidate(src, dst, file_mode=file_mode)
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    strip_prefix: str | None = None,
+    step: int | None = None,
+    file_mode: int = DEFAULT_FILE_MODE,
+) -> ImportReport:
+    """Convert a Lightning ``.ckpt`` file or an Accelerate ``save_state`` directory into a committed
+    distkit checkpoint at ``dest``.
+
+    Local: no communication; run it in one process. ``src`` is read with
+    ``torch.load(weights_only=True)`` (and ``safetensors`` for ``model.safetensors``, when that
+    package is installed), never unpickling arbitrary objects. ``dest`` is written by distkit's own
+    save (a new or empty directory, as for :func:`consolidate_checkpoint`), so it verifies and loads
+    like any checkpoint: ``load_checkpoint(dest, {"model": model, "optimizer": optimizer})`` or
+    ``Trainer(resume=dest)``, which starts its own progress, counters and random streams fresh.
+    The command ``distkit checkpoint import SRC DEST`` does the same and prints the report.
+
+    Carried over: the model's state dict as ``"model"`` (Lightning's ``state_dict``; Accelerate's
+    first model, without DDP's ``module.``), the first optimizer's state dict as ``"optimizer"``
+    (Lightning's ``optimizer_states[0]``, Accelerate's ``optimizer.bin``: parameters numbered in the
+    order the optimizer was given them), and the step in the manifest (Lightning's ``global_step``;
+    for Accelerate, ``step`` of a registered custom object, or a directory named ``step_<N>``).
+    Everything else (Lightning's loops, callbacks, LR schedulers, hyper-parameters; Accelerate's
+    schedulers, scaler, RNG states, samplers, custom objects, other models) is listed in the report
+    with the reason.
+
+    Args:
+        src: A Lightning ``.ckpt`` file or an Accelerate ``save_state`` directory (local).
+        dest: The distkit checkpoint directory to write (local or fsspec URL).
+        strip_prefix: Model keys. ``None`` (default): a Lightning checkpoint's prefix common to every
+            key (the LightningModule's attribute holding the model, such as ``"model."``) is stripped,
+            so the weights load into that module; Accelerate's keys are kept. ``""``: keep every key
+            as saved. A prefix: strip it, leaving out the keys without it. The report says which.
+        step: The step to record, instead of the one found (or where none is).
+        file_mode: Permission bits of local files (default 0o600).
+
+    Returns:
+        What was carried over, what was not and why (``str()`` of it is the command's output).
+
+    Raises:
+        FileNotFoundError: Nothing exists at ``src``.
+        ForeignCheckpointError: ``src`` is another layout (a DCP directory, which loads as it is,
+            sharded Hugging Face weights...): the message says what to do instead.
+        DistkitError: ``src`` holds objects ``weights_only`` refuses, is not a Lightning checkpoint,
+            holds no model weights, or needs the safetensors package (the message says how).
+        FileExistsError: ``dest`` holds a checkpoint or other files.
+        ValueError: ``strip_prefix`` matches no key, ``dest`` is inside a checkpoint or named
+            ``step_<N>`` for another step, or ``src`` is a URL.
+
+    Example:
+        >>> report = distkit.import_checkpoint("lightning_logs/version_0/checkpoints/last.ckpt",
+        ...                                    "imported")  # doctest: +SKIP
+        >>> print(report)  # doctest: +SKIP
+        >>> distkit.Trainer(resume="imported").fit(model, data, optimizer=opt)  # doctest: +SKIP
+    """
+    return _import_checkpoint(src, dest, strip_prefix=strip_prefix, step=step, file_mode=file_mode)

@@ -1,13 +1,15 @@
-"""The ``distkit checkpoint`` command (private): list, inspect and consolidate checkpoints.
+"""The ``distkit checkpoint`` command (private): list, inspect, consolidate and import checkpoints.
 
 ``distkit checkpoint list DIR`` shows the step checkpoints of a :class:`~distkit.CheckpointManager`
 directory with their state (committed, partial, corrupt, leftover), ``distkit checkpoint inspect
-PATH`` one checkpoint's manifest, and ``distkit checkpoint consolidate SRC DST`` writes a sharded
-checkpoint as one full checkpoint (:func:`distkit.consolidate_checkpoint`). Called by
-:mod:`distkit.cli`, which parses the arguments without importing torch.
+PATH`` one checkpoint's manifest, ``distkit checkpoint consolidate SRC DST`` writes a sharded
+checkpoint as one full checkpoint (:func:`distkit.consolidate_checkpoint`), and ``distkit
+checkpoint import SRC DST`` converts a Lightning or Accelerate checkpoint
+(:func:`distkit.import_checkpoint`). Called by :mod:`distkit.cli`, which parses the arguments
+without importing torch.
 
-The command never destroys a checkpoint (issue 23): ``consolidate`` writes only to a new or empty
-directory outside every checkpoint, and ``list`` and ``inspect`` of a missing path exit 1.
+The command never destroys a checkpoint (issue 23): ``consolidate`` and ``import`` write only to a
+new or empty directory outside every checkpoint, and ``list`` and ``inspect`` of a missing path exit 1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._files import _storage_for, _verify
-from distkit.checkpoint._format import _is_sharded_manifest
+from distkit.checkpoint._format import _imported_from, _is_sharded_manifest
 from distkit.checkpoint._retention import _mislabeled, _StepDirectory
 from distkit.errors import DistkitError
 
@@ -47,6 +49,7 @@ def _summary(path: str, manifest: dict[str, Any]) -> dict[str, Any]:
         "keys": manifest.get("keys"),
         "sharded_keys": None if sharded is None else sharded["keys"],
         "metrics": manifest.get("metrics", {}),
+        "imported_from": _imported_from(manifest),
         "files": files,
         "bytes": sum(info["size"] for info in files.values()),
     }
@@ -72,6 +75,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"created      {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(created))}")
     print(f"versions     torch {summary['torch_version']}, distkit {summary['distkit_version']}")
     print(f"entries      {', '.join(summary['keys'] or [])}")
+    if summary["imported_from"] is not None:
+        print(f"imported     from {summary['imported_from']} (distkit checkpoint import)")
     if summary["sharded_keys"] is not None:
         print(f"sharded      {', '.join(summary['sharded_keys'])} (through torch.distributed.checkpoint)")
     if summary["metrics"]:
@@ -150,7 +155,14 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import(args: argparse.Namespace) -> int:
+    from distkit.checkpoint import import_checkpoint
+
+    print(import_checkpoint(args.src, args.dst, strip_prefix=args.strip_prefix, step=args.step))
+    return 0
+
+
 def run_checkpoint_command(args: argparse.Namespace) -> int:
     """Run ``distkit checkpoint <action>``; return the exit status."""
-    actions = {"list": _list, "inspect": _inspect, "consolidate": _consolidate}
+    actions = {"list": _list, "inspect": _inspect, "consolidate": _consolidate, "import": _import}
     return actions[args.action](args)

@@ -215,12 +215,16 @@ def _manifest_builder(
     *,
     sharded: Mapping[str, Any] | None = None,
     shard_files: Mapping[str, dict[str, Any]] | None = None,
+    source: Mapping[str, str] | None = None,
 ) -> Callable[[dict[str, Any]], bytes]:
     """The manifest, once ``state.pt``'s size and CRC32 are known.
 
     A full checkpoint's manifest is exactly format 1 of ``distkit-checkpoint``; ``sharded`` (the
     entries written through DCP and which module each optimizer belongs to) and ``shard_files``
-    (DCP's files, with their sizes and CRC32) make it a ``distkit-sharded-checkpoint``.
+    (DCP's files, with their sizes and CRC32) make it a ``distkit-sharded-checkpoint``. ``source``
+    (the optional field ``source``: ``{"tool": ..., "version": ...}``) marks a checkpoint that
+    ``distkit checkpoint import`` converted from another tool's; readers that do not know the field
+    ignore it, as format 1 allows.
     """
     from distkit._version import __version__
 
@@ -239,6 +243,8 @@ def _manifest_builder(
         }
         if sharded is not None:
             manifest["sharded"] = dict(sharded)
+        if source is not None:
+            manifest["source"] = dict(source)
         return json.dumps(manifest, indent=1).encode()
 
     return build
@@ -299,6 +305,14 @@ _MANIFEST_FIELDS: tuple[tuple[str, bool, Callable[[Any], bool], str], ...] = (
     ("torch_version", False, lambda v: isinstance(v, str), "a string"),
     ("distkit_version", False, lambda v: isinstance(v, str), "a string"),
     ("created_unix", False, _is_number, "a number"),
+    (
+        "source",
+        False,
+        lambda v: (
+            isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+        ),
+        'an object of strings, e.g. {"tool": "lightning", "version": "2.4.0"}',
+    ),
 )
 
 
@@ -348,6 +362,19 @@ def _parse_manifest(path: str, raw: bytes) -> dict[str, Any]:
 
 def _is_sharded_manifest(manifest: Mapping[str, Any]) -> bool:
     return manifest.get("format") == _SHARDED_FORMAT
+
+
+def _imported_from(manifest: Mapping[str, Any]) -> str | None:
+    """The tool a checkpoint was imported from (``distkit checkpoint import``), in words, else ``None``."""
+    source = manifest.get("source")
+    if not source:
+        return None
+    tool = source.get("tool", "another tool")
+    version = f" {source['version']}" if source.get("version") else ""
+    return f"{_TOOL_NAMES.get(tool, tool)}{version}"
+
+
+_TOOL_NAMES = {"lightning": "Lightning", "accelerate": "Accelerate"}
 
 
 def _check_sharded_fields(

@@ -43,6 +43,7 @@ from distkit.checkpoint._format import (
     _MANIFEST_FILE,
     _STATE_FILE,
     _STEP_RE,
+    _imported_from,
     _is_sharded_manifest,
     _manifest_builder,
     _run_beside,
@@ -68,10 +69,13 @@ def _save_checkpoint(
     guard: Callable[[], None] | None,
     storage: _Storage | None,
     sharded: bool | str = "auto",
+    source: Mapping[str, str] | None = None,
 ) -> str:
     """:func:`save_checkpoint`, with ``guard`` called by rank 0 before it changes or commits anything
     (a :class:`CheckpointManager`'s writer-lease check), into ``storage`` when it is given (the
-    manager's own, so that its scrubber is built once, not at every save)."""
+    manager's own, so that its scrubber is built once, not at every save). ``source`` (a full
+    checkpoint only) records in the manifest which tool wrote what ``distkit checkpoint import``
+    converted."""
     _check_file_mode(file_mode)
     _check_state(state)
     storage, target = _storage_for(path) if storage is None else (storage, os.fspath(path))
@@ -118,7 +122,11 @@ def _save_checkpoint(
         payload = _collect(state)
         _check_loadable(payload)
         storage.write_checkpoint(
-            target, payload, _manifest_builder(step, metrics_json, list(payload)), file_mode, guard
+            target,
+            payload,
+            _manifest_builder(step, metrics_json, list(payload), source=source),
+            file_mode,
+            guard,
         )
     return target
 
@@ -183,7 +191,8 @@ def _restore_into(
     """
     if not _is_sharded_manifest(manifest):
         if state is not None:
-            _restore(path, loaded, state, strict, stacklevel=stacklevel + 1)
+            imported = _imported_from(manifest)
+            _restore(path, loaded, state, strict, stacklevel=stacklevel + 1, imported_from=imported)
         return loaded
     if state is None:
         return {**loaded, **_load_everything(path)}
@@ -255,14 +264,23 @@ def _check_consolidate_target(src_storage: _Storage, source: str, dst: str) -> N
         FileNotFoundError: Nothing exists at ``source``.
     """
     source_step = _read_manifest(src_storage, source)["step"]  # a missing source is named first
+    _check_new_target(src_storage, source, dst, source_step, command="consolidate")
+
+
+def _check_new_target(
+    src_storage: _Storage, source: str, dst: str, source_step: int | None, *, command: str
+) -> None:
+    """Refuse a ``dst`` of ``command`` (consolidate, import) that would replace, nest in or mislabel a
+    checkpoint: see :func:`_check_consolidate_target`."""
     storage, target = _storage_for(dst)
     shown = redact_url(target)
+    made = "full" if command == "consolidate" else "new"
     same_kind = type(storage) is type(src_storage)
     where, src_where = _location(storage, target), _location(src_storage, source)
     if same_kind and where == src_where:
         raise ValueError(
             f"the destination {shown} is the source checkpoint {redact_url(source)}; writing it would "
-            f"replace the checkpoint being read. Choose a new directory for the full checkpoint."
+            f"replace the checkpoint being read. Choose a new directory for the {made} checkpoint."
         )
     if same_kind and _is_inside(where, src_where):
         raise ValueError(
@@ -280,7 +298,7 @@ def _check_consolidate_target(src_storage: _Storage, source: str, dst: str) -> N
     kind = storage.kind(target)
     if kind == "file":
         raise FileExistsError(
-            f"the destination {shown} is a file; consolidate writes a checkpoint directory. Choose a "
+            f"the destination {shown} is a file; {command} writes a checkpoint directory. Choose a "
             f"new directory."
         )
     contents = storage.contents(target) if kind == "dir" else None
@@ -291,12 +309,12 @@ def _check_consolidate_target(src_storage: _Storage, source: str, dst: str) -> N
         except (DistkitError, OSError):
             which = "its manifest is unreadable"
         raise FileExistsError(
-            f"the destination {shown} already holds a checkpoint ({which}); consolidate never "
+            f"the destination {shown} already holds a checkpoint ({which}); {command} never "
             f"replaces a checkpoint. Choose a new directory, or delete {shown} first if it is not needed."
         )
     if contents:
         raise FileExistsError(
-            f"the destination {shown} exists and is not empty ({sorted(contents)[:5]}); consolidate "
+            f"the destination {shown} exists and is not empty ({sorted(contents)[:5]}); {command} "
             f"writes only into a new or empty directory. Choose a new directory."
         )
     remote = "://" in target

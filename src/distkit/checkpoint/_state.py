@@ -409,17 +409,31 @@ def _restore(
     *,
     elsewhere: frozenset[str] = frozenset(),
     stacklevel: int = 3,
+    imported_from: str | None = None,
 ) -> None:
     """Restore ``loaded`` into the objects of ``state``; ``elsewhere`` names the entries a caller
-    restores itself (a sharded checkpoint's modules and optimizers)."""
+    restores itself (a sharded checkpoint's modules and optimizers).
+
+    A checkpoint ``imported_from`` another tool holds a model and an optimizer, none of distkit's
+    bookkeeping: with ``strict`` only a module it lacks is refused; the other entries it lacks start
+    fresh, named in one warning (as for a torch.distributed.checkpoint directory distkit did not write).
+    """
     missing = [key for key in state if key not in loaded and key not in elsewhere]
-    if missing and strict:
+    lost = missing if imported_from is None else [k for k in missing if isinstance(state[k], nn.Module)]
+    if lost and strict:
         raise DistkitError(
-            f"checkpoint {redact_url(path)} has no entries {missing}; it holds "
+            f"checkpoint {redact_url(path)} has no entries {lost}; it holds "
             f"{sorted({*loaded, *elsewhere})}. Rename "
             f"the keys of state to match, or pass strict=False to skip the missing ones."
         )
-    if missing:
+    if missing and imported_from is not None:
+        warnings.warn(
+            f"{_label()} checkpoint {redact_url(path)} was imported from {imported_from} (distkit checkpoint "
+            f"import): it has no {missing}, which start fresh (a Trainer resuming from it counts from step "
+            f"0, with fresh random streams and data order).",
+            stacklevel=stacklevel,
+        )
+    elif missing:
         warnings.warn(
             f"{_label()} checkpoint {redact_url(path)} has no entries {missing}; they were left as they are.",
             stacklevel=stacklevel,
