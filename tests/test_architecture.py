@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
         "distkit.checkpoint",
         "distkit.storage",
         "distkit.monitor",
+        "distkit.stragglers",
         "distkit.sharding",
     ),
     ("distkit.trainer",),

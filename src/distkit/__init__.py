@@ -113,6 +113,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         download as download,
         upload as upload,
     )
+    from distkit.stragglers import (
+        StepTimer as StepTimer,
+        Straggler as Straggler,
+        StragglerDetector as StragglerDetector,
+    )
     from distkit.trainer import (
         Callback as Callback,
         CSVLogger as CSVLogger,
@@ -126,6 +131,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
         ProgressLog as ProgressLog,
         TensorBoardLogger as TensorBoardLogger,
         ThroughputMonitor as ThroughputMonitor,
+        TorchProfiler as TorchProfiler,
         Trainer as Trainer,
         TrainerView as TrainerView,
         WandbLogger as WandbLogger,
@@ -218,6 +224,9 @@ _LAZY: dict[str, str] = {
     "GPUMonitor": "distkit.monitor",
     "ThroughputMeter": "distkit.monitor",
     "memory_stats": "distkit.monitor",
+    "StepTimer": "distkit.stragglers",
+    "Straggler": "distkit.stragglers",
+    "StragglerDetector": "distkit.stragglers",
     "profile_scaling": "distkit.bench",
     # trainer
     "Trainer": "distkit.trainer",
@@ -229,6 +238,7 @@ _LAZY: dict[str, str] = {
     "sync_buffers": "distkit.sharding",
     "ModelCheckpoint": "distkit.trainer",
     "ProgressLog": "distkit.trainer",
+    "TorchProfiler": "distkit.trainer",
     "EarlyStopping": "distkit.trainer",
     "LearningRateMonitor": "distkit.trainer",
     "ThroughputMonitor": "distkit.trainer",

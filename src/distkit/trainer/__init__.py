@@ -18,6 +18,7 @@ from distkit.trainer.callbacks import (
 )
 from distkit.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from distkit.trainer.metrics import accuracy
+from distkit.trainer.profiler import TorchProfiler
 from distkit.trainer.progress import ProgressLog
 from distkit.trainer.schedules import warmup_schedule
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
@@ -37,6 +38,7 @@ __all__ = [
     "ProgressLog",
     "TensorBoardLogger",
     "ThroughputMonitor",
+    "TorchProfiler",
     "Trainer",
     "TrainerView",
     "WandbLogger",

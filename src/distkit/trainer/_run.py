@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from distkit.stragglers import StepTimer, StragglerDetector
 from distkit.trainer.callbacks import Callback, ModelCheckpoint, TrainerView
 
 if TYPE_CHECKING:
     from distkit.trainer.loggers import Logger
     from distkit.trainer.precision import Precision
+    from distkit.trainer.profiler import TorchProfiler
     from distkit.trainer.strategies import DDPStrategy, FSDPStrategy, _Plan
     from distkit.trainer.strategies._base import Strategy
 
@@ -51,6 +53,8 @@ class Options(TrainerView, Protocol):
     max_consecutive_nonfinite: int
     hang_timeout_s: float | str | None
     compile: bool
+    straggler_margin: float | None
+    profiler: str | TorchProfiler | None
     run_config: dict[str, Any] | None
 
 
@@ -146,6 +150,10 @@ class Run:
     log_pending: bool = False
     # The step of the latest validation and its metrics (an epoch end at that step reuses them).
     last_validation: tuple[int, dict[str, float]] = (-1, {})
+    # This rank's time per phase of the steps since the last logging step, and the comparison of
+    # the ranks' times at logging steps (None: neither the straggler report nor profiler="simple").
+    timer: StepTimer = field(default_factory=StepTimer)
+    stragglers: StragglerDetector | None = None
 
     def finished(self) -> bool:
         """Whether ``max_steps`` or ``max_epochs`` is reached."""

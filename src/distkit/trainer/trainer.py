@@ -23,6 +23,7 @@ sums between logging steps (``logs``), validation (``evaluate``) and ``validate`
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,7 @@ from distkit.trainer._run import Outcome, Run
 from distkit.trainer.callbacks import Callback, TrainerView
 from distkit.trainer.loggers import Logger
 from distkit.trainer.precision import check_precision
+from distkit.trainer.profiler import TorchProfiler, check_profiler
 from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 
 __all__ = ["Trainer"]
@@ -138,6 +140,15 @@ class Trainer:
         compile: ``torch.compile`` the model's forward (DDP, single; put back after ``fit``) or
             each FSDP sharding unit's forward before sharding. Parameter names and checkpoints stay
             free of ``_orig_mod.``. Not with ``"dp"``.
+        straggler_margin: The straggler report (``docs/scaling.md``, "Stragglers"): each rank
+            times its steps by phase; at logging steps a rank slower than the median rank by more
+            than this fraction in one phase, in two logging windows in a row, is named in the log
+            and as the ``straggler_rank``/``straggler_slowdown`` metrics. The times ride on the
+            logging step's one collective. ``None``: off.
+        profiler: ``None``; ``"simple"``: the main process prints each phase's time per step (the
+            median rank's and the slowest rank's) at the end of ``fit``; ``"torch"`` or a
+            :class:`distkit.trainer.TorchProfiler`: one Chrome trace per rank of a window of steps
+            (``docs/scaling.md``, "Profiling").
 
     Attributes:
         global_step: Optimizer steps taken or skipped so far.
@@ -191,6 +202,8 @@ class Trainer:
     max_consecutive_nonfinite: int
     hang_timeout_s: float | str | None
     compile: bool
+    straggler_margin: float | None
+    profiler: str | TorchProfiler | None
     # The resolved configuration of a TrainerCLI run (None for a Trainer built in Python).
     run_config: dict[str, Any] | None
 
@@ -228,6 +241,8 @@ class Trainer:
         max_consecutive_nonfinite: int = 5,
         hang_timeout_s: float | str | None = "auto",
         compile: bool = False,
+        straggler_margin: float | None = 0.2,
+        profiler: str | TorchProfiler | None = None,
     ) -> None:
         self.strategy = strategies.check_strategy(strategy)
         self.devices = strategies.check_devices(devices)
@@ -286,6 +301,15 @@ class Trainer:
         self.enable_progress_bar = enable_progress_bar
         self.hang_timeout_s = check_timeout(hang_timeout_s)
         self.compile = compile
+        if straggler_margin is not None and not (
+            isinstance(straggler_margin, (int, float)) and 0 <= straggler_margin < math.inf
+        ):
+            raise ValueError(
+                f"straggler_margin must be a number >= 0 (0.2: 20% slower than the median rank) or None "
+                f"to turn the straggler report off, got {straggler_margin!r}."
+            )
+        self.straggler_margin = None if straggler_margin is None else float(straggler_margin)
+        self.profiler = check_profiler(profiler)
         self.run_config = None
 
         self.callbacks = _setup.callback_list(callbacks, enable_checkpointing)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distkit import runtime
 from distkit.data import StreamLoader
 from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
 from distkit.trainer._loop.batches import length, to_device
@@ -37,6 +39,11 @@ def train(run: Run) -> None:
             run.epoch_sum, run.epoch_count = 0.0, 0
         if run.should_stop:
             break
+    if run.trainer.profiler == "simple" and run.stragglers is not None:
+        # The steps since the last logging step: one collective per fit, on every rank alike.
+        if run.timer.steps:
+            run.stragglers.check(run.timer)
+        runtime.rank_zero_print(run.stragglers.summary())
     for cb in run.callbacks:
         cb.on_fit_end(run.trainer)
     _logs.log_final_checkpoint(run)  # committed by now (ModelCheckpoint.on_fit_end waited)
@@ -87,9 +94,16 @@ def run_epoch(run: Run) -> None:
     micro_losses: list[torch.Tensor] = []
     micro_sum = 0.0
     exhausted = False
+    # This rank's time per phase (distkit.stragglers.PHASES: data, forward, backward; optimizer_step
+    # adds the optimizer's): four perf_counter reads and additions, about 1 us a step. Host times,
+    # no device sync; what is between the steps (validation, callbacks, logging) is no phase's.
+    sums, clock = run.timer.sums, time.perf_counter
+    mark = clock()
     for batch_idx, batch in enumerate(iterator, start=first):
         if move:
             batch = to_device(batch, device)
+        now = clock()
+        sums[0] += now - mark
         if accumulate == 1 or not micro_losses:
             # The step's first micro-batch: what a stop request would give back (about 1 us).
             run.states_at_step = (
@@ -111,27 +125,35 @@ def run_epoch(run: Run) -> None:
                 loss, extras = _mean_over_devices(loss, extras)
             # The one host sync of a micro-batch, after the forward pass.
             value = loss.item()
+            mark = clock()
+            sums[1] += mark - now
             scaled = loss / accumulate if accumulate > 1 else loss
             if run.request_stop or not math.isfinite(value):
                 poison(precision.backward, scaled, params)
             else:
                 precision.backward(scaled)
+        # Backward and, under DDP/FSDP, the gradient reduction's end: where a fast rank waits.
+        now = clock()
+        sums[2] += now - mark
         if extras:
             _logs.add_extras(run, extras, first=accumulate == 1 or not micro_losses)
         run.batches_done = batch_idx + 1
         if accumulate == 1:
             if optimizer_step(run, loss.detach(), value, 1):
                 break
+            mark = clock()
             continue
         micro_losses.append(loss.detach())
         micro_sum += value
         if not sync:
+            mark = now
             continue
         micro = len(micro_losses)
         step_loss, step_value = torch.stack(micro_losses).mean(), micro_sum / micro
         micro_losses, micro_sum = [], 0.0
         if optimizer_step(run, step_loss, step_value, micro):
             break
+        mark = clock()
     else:
         exhausted = True  # the loader ran out
     if not run.preempted:

@@ -12,6 +12,7 @@ import torch
 from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.collectives import all_reduce, reduce_metrics
+from distkit.stragglers import PHASES
 
 if TYPE_CHECKING:
     from distkit.trainer._run import Run
@@ -59,17 +60,43 @@ def load_log_sums(run: Run, sums: Mapping[str, Any]) -> None:
 def log_step(run: Run) -> None:
     """Log the window's training metrics: one collective, then the callbacks' ``on_log`` and the loggers."""
     run.log_pending = False
+    # Each rank's phase times ride on the same collective (straggler report, profiler="simple"):
+    # one slot per rank and phase, this rank's filled and the others' zero, so the sum gives every
+    # rank every rank's times. world_size * 4 more numbers, no collective more.
+    timed = run.stragglers is not None
+    world, rank, phases = run.world_size, runtime.get_rank(), len(PHASES)
     # The logging step's one collective: the loss and every extra training metric at once.
     if run.extra_sums:
         local: dict[str, Any] = {"train_loss": (run.window_sum, float(run.window_count))}
         local.update({k: (v, float(run.extra_count)) for k, v in run.extra_sums.items()})
+        if timed:
+            # (sum, count) pairs: the slot's owner gives (time, 1), the others (0, 0): the reduced
+            # mean is the owner's time.
+            for r in range(world):
+                mine = r == rank
+                for p in range(phases):
+                    local[f"_phase/{r}/{p}"] = (run.timer.sums[p] if mine else 0.0, float(mine))
         metrics = reduce_metrics(local)
+        per_rank = [[metrics.pop(f"_phase/{r}/{p}") for p in range(phases)] for r in range(world)]
     else:
         # The loss alone: two numbers, whose names cannot differ between ranks, travel in half
         # the time of reduce_metrics' checked block (gloo, 2 ranks: about 0.15 against 0.3 ms).
-        pair = torch.tensor([run.window_sum, float(run.window_count)], dtype=torch.float64)
-        total, count = all_reduce(pair).tolist()
+        values = [run.window_sum, float(run.window_count)]
+        if timed:
+            slots = [0.0] * (world * phases)
+            slots[rank * phases : (rank + 1) * phases] = run.timer.sums
+            values += slots
+        reduced = all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
+        total, count = reduced[0], reduced[1]
         metrics = {"train_loss": total / count if count else math.nan}
+        per_rank = [reduced[2 + r * phases : 2 + (r + 1) * phases] for r in range(world)]
+    if run.stragglers is not None:
+        straggler = run.stragglers.observe(per_rank, steps=run.timer.steps)
+        if straggler is not None:
+            metrics["straggler_rank"] = float(straggler.rank)
+            metrics["straggler_slowdown"] = straggler.slowdown
+            _log.warning("[step %d] %s", run.global_step, straggler.message())
+    run.timer.reset()
     metrics["epoch"] = float(run.current_epoch)
     metrics["skipped_steps"] = float(run.skipped_steps)
     run.window_sum, run.window_count = 0.0, 0

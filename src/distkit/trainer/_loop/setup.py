@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ from distkit.collectives import all_gather_object
 from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import seed_everything
+from distkit.stragglers import StragglerDetector
 from distkit.trainer import schedules
 from distkit.trainer._loop import report as _report, state as _state
 from distkit.trainer._loop.batches import length
@@ -34,6 +36,7 @@ from distkit.trainer.callbacks import Callback, ModelCheckpoint
 from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger
 from distkit.trainer.precision import Precision
+from distkit.trainer.profiler import TorchProfiler, _TorchProfilerCallback
 from distkit.trainer.progress import _default_progress, _ProgressBar
 from distkit.trainer.strategies._base import DataParallelStrategy, DDPStrategyRunner, Strategy
 from distkit.trainer.strategies._fsdp import FSDPStrategyRunner
@@ -160,6 +163,10 @@ def setup(
         val_every=val_every,
         val_steps_in_epoch=val_steps_in_epoch,
     )
+    if trainer.straggler_margin is not None or trainer.profiler == "simple":
+        # margin=inf: the phases are compared (for the profile), nobody is named.
+        margin = math.inf if trainer.straggler_margin is None else trainer.straggler_margin
+        run.stragglers = StragglerDetector(margin=margin)
     on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
     schedules.apply_scaling(run)
@@ -171,6 +178,10 @@ def setup(
     if progress is not None and runtime.is_main_process():
         run.callbacks.insert(0, progress)
     stack.callback(_close_progress_bars, run.callbacks)
+    if isinstance(trainer.profiler, TorchProfiler):
+        profiling = _TorchProfilerCallback(trainer.profiler, trainer.default_root_dir)
+        run.callbacks.append(profiling)
+        stack.callback(profiling.close)  # a failed fit stops it too
     checkpoint = run.checkpoint
     if checkpoint is not None:
         checkpoint.setup(trainer)

@@ -5,6 +5,7 @@ decisions. The small readers of batches live in :mod:`distkit.trainer._loop.batc
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,7 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
 def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bool:
     """Take, skip or discard the optimizer step after the last micro-batch; True when training
     stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
+    start = time.perf_counter()  # the optimizer phase (distkit.stragglers), to zero_grad
     precision, optimizer, strategy = run.precision, run.optimizer, run.strategy
     take_step: bool | None = True  # None: discarded for a stop request
     stop = False
@@ -164,6 +166,9 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         if run.lr_scheduler is not None and run.scheduler_interval == "step":
             run.lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    timer = run.timer
+    timer.sums[3] += time.perf_counter() - start
+    timer.steps += 1
     run.global_step += 1
 
     if run.val_loader is not None and _validation_due(run):
