@@ -54,8 +54,8 @@ def test_balanced_ranks_and_small_differences_are_never_named() -> None:
         assert detector.observe(_window(None, "data"), steps=10) is None
         # 10% slower: within the margin.
         assert detector.observe(_window(0, "data", extra_s=0.01 * 0.1), steps=10) is None
-        # 3x slower but by 0.2 ms a step: under min_excess_s (timing noise of tiny phases).
-        assert detector.observe(_window(0, "optimizer", extra_s=0.002), steps=10) is None
+        # 3x slower but by 0.8 ms a step: under min_excess_s (timing noise of tiny phases).
+        assert detector.observe(_window(0, "optimizer", extra_s=0.008), steps=10) is None
 
 
 def test_waiting_in_the_gradient_sync_never_names_a_rank() -> None:
@@ -180,10 +180,10 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_phase(ranks: Ranks, tmp_path
     out = ranks.run(fit_with, str(tmp_path), where, 1, 0.005, 0.0)
     assert out[0]["named"] == out[1]["named"]  # every rank decides alike, from the same numbers
     named = out[0]["named"]
-    assert named[0] == (None, None)  # one window is not "consistently"
-    assert all(rank == 1.0 and slowdown is not None and slowdown > 1.2 for rank, slowdown in named[1:]), named
+    assert named[:2] == [(None, None)] * 2  # named in the third window in a row
+    assert all(rank == 1.0 and slowdown is not None and slowdown > 1.2 for rank, slowdown in named[2:]), named
     lines = out[0]["lines"]  # the main process logs
-    assert len(lines) == 3 and f"rank 1 is slow in '{where}'" in lines[0], lines
+    assert len(lines) == 2 and f"rank 1 is slow in '{where}'" in lines[0], lines
     assert out[1]["lines"] == []
 
 

@@ -129,8 +129,9 @@ class StragglerDetector:
     Args:
         margin: How much slower than the median rank counts as slow (0.2: 20% slower).
         windows: Consecutive windows a rank must be slow in, in the same phase, to be named.
-        min_excess_s: Excess per step below which a rank is not slow whatever the ratio (timing
-            noise of phases that take microseconds).
+        min_excess_s: Excess per step below which a rank is not slow whatever the ratio: 1 ms,
+            above what a descheduled process adds to a short window on a loaded host, so that a
+            balanced job's logged metrics stay free of spurious names.
 
     Raises:
         ValueError: ``margin`` is negative, ``windows`` < 1 or ``min_excess_s`` negative.
@@ -145,7 +146,7 @@ class StragglerDetector:
         1
     """
 
-    def __init__(self, *, margin: float = 0.2, windows: int = 2, min_excess_s: float = 5e-4) -> None:
+    def __init__(self, *, margin: float = 0.2, windows: int = 3, min_excess_s: float = 1e-3) -> None:
         if not margin >= 0:
             raise ValueError(f"margin must be >= 0, got {margin!r}.")
         if windows < 1:

@@ -142,7 +142,7 @@ class Trainer:
             free of ``_orig_mod.``. Not with ``"dp"``.
         straggler_margin: The straggler report (``docs/scaling.md``, "Stragglers"): each rank
             times its steps by phase; at logging steps a rank slower than the median rank by more
-            than this fraction in one phase, in two logging windows in a row, is named in the log
+            than this fraction in one phase, in three logging windows in a row, is named in the log
             and as the ``straggler_rank``/``straggler_slowdown`` metrics. The times ride on the
             logging step's one collective. ``None``: off.
         profiler: ``None``; ``"simple"``: the main process prints each phase's time per step (the
