@@ -134,6 +134,15 @@ class _Model(nn.Module):
         return self.net(x)  # type: ignore[no-any-return]
 
 
+class _ModelWithExtras(_Model):
+    """A training_step with an extra metric: the logging step reduces through reduce_metrics."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        logits = self(x)
+        return {"loss": nn.functional.cross_entropy(logits, y), "acc": (logits.argmax(1) == y).float().mean()}
+
+
 class _Metrics(Callback):
     def __init__(self) -> None:
         self.logged: list[dict[str, float]] = []
@@ -163,7 +172,9 @@ def fit_with(root: str, where: str, slow_rank: int | None, sleep_s: float, base_
         )
         slow = (slow_rank, sleep_s, base_s)
         trainer.fit(
-            _Model(*slow) if where == "forward" else _Model(None, 0.0, base_s),
+            {"forward": _Model, "extras": _ModelWithExtras}.get(where, _Model)(
+                *(slow if where in ("forward", "extras") else (None, 0.0, base_s))
+            ),
             _Data(*slow) if where == "data" else _Data(None, 0.0, base_s),
             optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
             loss_fn=nn.functional.cross_entropy,
@@ -171,13 +182,18 @@ def fit_with(root: str, where: str, slow_rank: int | None, sleep_s: float, base_
     finally:
         logger.removeHandler(handler)
     named = [(m.get("straggler_rank"), m.get("straggler_slowdown")) for m in metrics.logged]
-    return {"named": named, "lines": [r for r in records if "straggler" in r]}
+    extras = [m.get("acc") for m in metrics.logged]
+    return {"named": named, "lines": [r for r in records if "straggler" in r], "extras": extras}
 
 
-@pytest.mark.parametrize("where", ["data", "forward"])
+@pytest.mark.parametrize("where", ["data", "forward", "extras"])
 def test_a_rank_slowed_on_purpose_is_named_with_its_phase(ranks: Ranks, tmp_path: Path, where: str) -> None:
     # Rank 1 sleeps 5 ms a sample (10 ms a step) in its loader or its forward; 4 logging windows.
+    # "extras": its forward, with a training_step that logs an extra metric (the times then ride
+    # on reduce_metrics' block instead of the loss's two numbers).
     out = ranks.run(fit_with, str(tmp_path), where, 1, 0.005, 0.0)
+    assert all((acc is not None) == (where == "extras") for acc in out[0]["extras"])
+    where = "forward" if where == "extras" else where
     assert out[0]["named"] == out[1]["named"]  # every rank decides alike, from the same numbers
     named = out[0]["named"]
     assert named[:2] == [(None, None)] * 2  # named in the third window in a row
