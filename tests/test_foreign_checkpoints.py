@@ -31,6 +31,7 @@ import distkit
 from _launch import launcher_free_env
 from distkit import Callback, CheckpointCorruptError, ForeignCheckpointError, ResumeState, Trainer
 from distkit.cli import main
+from test_sharded_checkpoint import assert_same, optimizer_for, snapshot
 
 # --------------------------------------------------------------------------------------------------
 # Models, training and snapshots (module level: the ranks import them by name)
@@ -41,10 +42,6 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def optimizer_for(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=0.01)
-
-
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed * 1000 + distkit.get_rank())
     for _ in range(steps):
@@ -52,29 +49,6 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)  # a DTensor gathers its shards (collective)
-    return (full() if full is not None else tensor).detach().clone()
-
-
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and its Adam moments, whole, by name (collective for sharded models)."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    out = {}
-    for name, param in inner.named_parameters():
-        out[name] = whole(param)
-        for moment in ("exp_avg", "exp_avg_sq"):
-            if moment in optimizer.state.get(param, {}):
-                out[f"{name}.{moment}"] = whole(optimizer.state[param][moment])
-    return out
-
-
-def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, tensor in expected.items():
-        assert torch.equal(actual[name], tensor), name
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
