@@ -722,7 +722,9 @@ class Trainer:
         Model (the user's module, unwrapped), optimizer, scheduler, gradient scaler, the loop
         position with every rank's RNG state (a :class:`distkit.checkpoint.ResumeState`), the
         loader's position, the Trainer's counters and latest metrics with every rank's partial sums
-        of the metrics it logs next, and the callbacks' state.
+        of the metrics it logs next, the callbacks' state, and under
+        ``DDPStrategy(comm_hook="powersgd")`` PowerSGD's state (``"comm_hook"``: every rank's error
+        feedback and the warm-start matrices, gathered when saved).
 
         Local to build; saving it is collective (the ResumeState gathers every rank's RNG state, the
         counters every rank's partial sums). Saved from ``on_train_step_end`` at a logging step, the

@@ -77,7 +77,9 @@ def agree(run: Run, value: float, micro: int) -> tuple[bool | None, bool]:
 
 
 def discard(run: Run, micro: int, preempt: bool) -> None:
-    """Undo the step in flight for a stop request: no update, its batches and RNG draws back."""
+    """Undo the step in flight for a stop request: no update, its batches and RNG draws back, and
+    the strategy's state (PowerSGD's) as before the step's reduction."""
+    run.strategy.finish_step(False)
     run.optimizer.zero_grad(set_to_none=True)
     for p in run.params:
         p.grad = None  # also the poisoned ones the optimizer does not hold

@@ -214,4 +214,6 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
     if callable(getattr(run.train_loader, "state_dict", None)):
         loader = run.train_loader
         state["train_loader"] = _GivenBack(loader, run.given_back) if run.given_back else loader
+    # DDP's PowerSGD: "comm_hook", its error feedback and warm start; nothing for other strategies.
+    state.update(run.strategy.checkpoint_entries())
     return state

@@ -158,13 +158,17 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         take_step = precision.scaler is not None  # the scaler skips it and lowers its scale
         if not take_step:
             _nonfinite.skip(run, "the gradients' norm was non-finite (every loss was finite)", [])
+    taken = bool(take_step)
     if take_step:
         if precision.scaler is None:
             optimizer.step()
+        elif strategy.step_state:
+            taken = precision.step_and_report(optimizer)
         else:
             precision.step(optimizer)
         if run.lr_scheduler is not None and run.scheduler_interval == "step":
             run.lr_scheduler.step()
+    strategy.finish_step(taken)  # PowerSGD: a step not taken leaves its state as it was
     optimizer.zero_grad(set_to_none=True)
     timer = run.timer
     timer.sums[3] += time.perf_counter() - start

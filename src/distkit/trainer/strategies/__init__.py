@@ -40,6 +40,12 @@ class DDPStrategy:
     through to :class:`torch.nn.parallel.DistributedDataParallel` unchanged; in a world of one (one
     process, no launcher) the model is not wrapped and they have no effect.
 
+    Gradient compression (``comm_hook``) trades exactness of the gradient all-reduce for fewer
+    bytes on the wire; it pays on communication-bound jobs (large models, slow interconnects
+    between nodes) and costs a little accuracy (``docs/trainer.md``, "Compressing gradients"). A
+    skipped or discarded step leaves PowerSGD's state as it was, and checkpoints hold that state,
+    so a resumed run equals the uninterrupted one.
+
     Attributes:
         find_unused_parameters: Let DDP find parameters that got no gradient in a step (costs a
             graph traversal every step; needed when a forward pass skips some layers).
@@ -48,10 +54,25 @@ class DDPStrategy:
         bucket_cap_mb: Size of the gradient buckets in MiB; ``None`` is torch's default (25).
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL on CUDA, else gloo).
         timeout_s: Deadline of every collective; ``None`` is :data:`distkit.DEFAULT_TIMEOUT_S`.
+        comm_hook: How DDP reduces the gradients. ``None``: a float32 all-reduce (exact).
+            ``"fp16"``: each bucket is cast to float16 for the all-reduce (half the bytes; values
+            beyond 65504 overflow to inf, caught as any overflow is: clipping by norm, the fp16
+            scaler).
+            ``"bf16"``: cast to bfloat16 (half the bytes, float32's range, 3 significant digits);
+            on gloo too, where torch's own bf16 hook refuses to run. ``"powersgd"``: torch's
+            PowerSGD, a low-rank approximation of each weight matrix's gradient with error
+            feedback (for a ``n x m`` matrix ``(n + m) * powersgd_rank`` numbers instead of
+            ``n * m``; vectors such as biases are all-reduced plainly).
+        powersgd_rank: PowerSGD's matrix approximation rank (``None``: 1). Higher is more accurate
+            and sends more; torch suggests trying 1, 2, 4, ...
+        powersgd_warmup_steps: Optimizer steps reduced plainly before PowerSGD starts (``None``:
+            1000, torch's default; torch suggests about 10% of the run). At least 2: DDP rebuilds
+            its buckets after the first step.
 
     Example:
         >>> import distkit
         >>> trainer = distkit.Trainer(strategy=DDPStrategy(find_unused_parameters=True), max_steps=1)
+        >>> strategy = DDPStrategy(comm_hook="powersgd", powersgd_rank=2, powersgd_warmup_steps=100)
     """
 
     find_unused_parameters: bool = False
@@ -60,8 +81,12 @@ class DDPStrategy:
     bucket_cap_mb: float | None = None
     backend: str | None = None
     timeout_s: float | None = None
+    comm_hook: str | None = None
+    powersgd_rank: int | None = None
+    powersgd_warmup_steps: int | None = None
 
     def __post_init__(self) -> None:
+        _check_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_warmup_steps)
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 or None, got {self.bucket_cap_mb}.")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -79,6 +104,46 @@ class DDPStrategy:
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         return kwargs
+
+
+# DDPStrategy(comm_hook=...): what each name does is in DDPStrategy's docstring.
+COMM_HOOKS = ("fp16", "bf16", "powersgd")
+# torch's defaults for PowerSGDState (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py).
+DEFAULT_POWERSGD_RANK = 1
+DEFAULT_POWERSGD_WARMUP_STEPS = 1000
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_comm_hook(comm_hook: object, rank: object, warmup_steps: object) -> None:
+    """Validate DDPStrategy's compression options. Local."""
+    if comm_hook is not None and comm_hook not in COMM_HOOKS:
+        raise ValueError(
+            f"comm_hook must be None (a float32 all-reduce), {', '.join(repr(h) for h in COMM_HOOKS)}, "
+            f"got {comm_hook!r}."
+        )
+    if comm_hook != "powersgd":
+        given = [
+            name
+            for name, value in (("powersgd_rank", rank), ("powersgd_warmup_steps", warmup_steps))
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} apply to comm_hook='powersgd' only, got comm_hook={comm_hook!r}; "
+                f"pass comm_hook='powersgd' or leave them out."
+            )
+        return
+    if rank is not None and (not _is_int(rank) or rank < 1):  # type: ignore[operator]
+        raise ValueError(f"powersgd_rank must be an int >= 1 or None (1), got {rank!r}.")
+    if warmup_steps is not None and (not _is_int(warmup_steps) or warmup_steps < 2):  # type: ignore[operator]
+        raise ValueError(
+            f"powersgd_warmup_steps must be an int >= 2 or None ({DEFAULT_POWERSGD_WARMUP_STEPS}), got "
+            f"{warmup_steps!r}: DDP rebuilds its gradient buckets after the first step, and torch's "
+            f"PowerSGD (with error feedback and warm start) starts after that."
+        )
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,11 @@ The interface, in the order ``fit`` uses it:
   every rank, and how the ranks read it (the loop's module docs explain the protocol).
 - :meth:`Strategy.sync_buffers`: the ranks' buffers made equal once the step's forward passes ran.
 - :meth:`Strategy.clip_gradients`: clipping, and whether the norm was finite.
+- :meth:`Strategy.finish_step`: after each optimizer step, whether it was taken (a skipped or
+  discarded step puts back what its gradient reduction changed in the strategy's own state).
 - :attr:`Strategy.checkpoint_format`: ``"full"`` (one file written by the main process) or
-  ``"sharded"`` (every rank writes its shards; the CheckpointManager chooses by the state).
+  ``"sharded"`` (every rank writes its shards; the CheckpointManager chooses by the state), and
+  :meth:`Strategy.checkpoint_entries`: the strategy's own state in checkpoints (DDP's PowerSGD).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit.trainer.strategies import _Plan
+from distkit.trainer.strategies import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP_STEPS, _comm, _Plan
 
 __all__: list[str] = []
 
@@ -66,6 +69,9 @@ class Strategy:
     checkpoint_format = "full"
     # Whether the model's forward pass is collective, so every rank must run as many (validation).
     lockstep_forward = False
+    # Whether the gradient reduction keeps state across steps (DDP's PowerSGD), which
+    # finish_step(False) puts back: the loop then also learns when the fp16 scaler skipped a step.
+    step_state = False
 
     def __init__(self, plan: _Plan, *, compile: bool = False) -> None:
         self.plan = plan
@@ -131,6 +137,17 @@ class Strategy:
         nn.utils.clip_grad_value_(params, max_value)
         return True
 
+    def finish_step(self, taken: bool) -> None:
+        """After an optimizer step was decided: ``taken`` is False when it changed no weight
+        (skipped on every rank for a non-finite value, discarded for a stop request, or skipped by
+        the fp16 scaler). Such a step leaves the strategy's state as it was before its gradient
+        reduction. Local."""
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """The strategy's own entries of the Trainer's checkpoints (objects with ``state_dict`` and
+        ``load_state_dict``); none unless the strategy keeps state of its own."""
+        return {}
+
     def teardown(self, model: nn.Module) -> None:
         """Undo what :meth:`prepare` did to the user's module that should not outlive ``fit``."""
         if self.compile and "forward" in vars(model):
@@ -146,19 +163,39 @@ class DataParallelStrategy(Strategy):
 
 
 class DDPStrategyRunner(Strategy):
-    """``DistributedDataParallel`` over the processes (a world of one: no wrapper)."""
+    """``DistributedDataParallel`` over the processes (a world of one: no wrapper), with its
+    gradient compression (:mod:`distkit.trainer.strategies._comm`)."""
 
     def __init__(self, plan: _Plan, *, compile: bool = False) -> None:
         super().__init__(plan, compile=compile)
-        self.scan_all = plan.ddp.find_unused_parameters or plan.ddp.static_graph
+        options = plan.ddp
+        self.scan_all = options.find_unused_parameters or options.static_graph
+        # Made in a world of one too, so that its checkpoints hold the entry a resume on several
+        # ranks looks for.
+        self._powersgd: _comm.PowerSGD | None = None
+        if options.comm_hook == "powersgd":
+            self._powersgd = _comm.PowerSGD(
+                rank=options.powersgd_rank or DEFAULT_POWERSGD_RANK,
+                warmup_steps=options.powersgd_warmup_steps or DEFAULT_POWERSGD_WARMUP_STEPS,
+            )
+            self.step_state = True
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         module.to(device)
         if runtime.get_world_size() == 1:
             return module
         device_ids = [device.index] if device.type == "cuda" else None
-        options = self.plan.ddp.ddp_kwargs()
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **options)
+        options = self.plan.ddp
+        ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **options.ddp_kwargs())
+        _comm.register(ddp, options.comm_hook, self._powersgd)
+        return ddp
+
+    def finish_step(self, taken: bool) -> None:
+        if self._powersgd is not None:
+            self._powersgd.finish_step(taken)
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        return {} if self._powersgd is None else {"comm_hook": self._powersgd}
 
     def accumulation(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
         if sync or not isinstance(wrapped, nn.parallel.DistributedDataParallel):
