@@ -1,7 +1,7 @@
 """Gradient compression on real 2-rank gloo groups: ``DDPStrategy(comm_hook="fp16" | "bf16" |
 "powersgd")`` trains, keeps the ranks equal, works with accumulation and clipping, skips a rank's
 nan on every rank, and resumes bitwise (PowerSGD's error feedback and warm start in the
-checkpoint)."""
+checkpoint); ``FSDPStrategy(reduce_dtype=...)``, FSDP's counterpart, trains too."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import distkit
-from distkit.trainer import Callback, DDPStrategy, ModelCheckpoint, Trainer
+from distkit.trainer import Callback, DDPStrategy, FSDPStrategy, ModelCheckpoint, Trainer
 from distkit.trainer.precision import Precision
 from distkit.trainer.strategies._comm import PowerSGD, bf16_allreduce_hook
 
 HOOKS = ["fp16", "bf16", "powersgd"]
+REDUCE_DTYPES = ["bf16", "fp16"]
 # 192 samples per rank, 16 per batch, 2 batches per step: 6 optimizer steps per epoch.
 SAMPLES, BATCH, ACCUMULATE = 384, 16, 2
 STEPS = 24
@@ -243,6 +244,48 @@ def test_the_bf16_hook_averages_on_gloo_as_bfloat16_arithmetic_does(ranks) -> No
 
 
 # --------------------------------------------------------------------------------------------------
+# FSDP's counterpart
+
+
+def train_fsdp(root: str, reduce_dtype: str | None) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = Net()
+    record = Record()
+    trainer = Trainer(
+        strategy=FSDPStrategy(reduce_dtype=reduce_dtype),
+        max_steps=12,
+        batch_size=BATCH,
+        seed=3,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[record],
+    )
+    trainer.fit(model, Regression(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    dtypes = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+    weights = torch.cat(
+        [(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1) for p in model.parameters()]
+    )
+    return {"losses": record.losses, "weights": weights, "dtypes": dtypes}
+
+
+def test_fsdp_reduce_dtype_trains_with_half_precision_reductions(ranks, tmp_path) -> None:
+    exact = ranks.run(train_fsdp, str(tmp_path / "a"), None)
+    for dtype in REDUCE_DTYPES:
+        results = ranks.run(train_fsdp, str(tmp_path / dtype), dtype)
+        for result in results:
+            losses = result["losses"]
+            assert mean_tail(losses) < 0.5 * losses[0]
+            assert result["dtypes"] <= {"torch.float32"}  # the sharded gradients stay float32
+        assert torch.equal(results[0]["weights"], results[1]["weights"])
+        assert not torch.equal(results[0]["weights"], exact[0]["weights"])  # reduced in `dtype`
+        assert torch.allclose(results[0]["weights"], exact[0]["weights"], atol=0.05)
+
+
+# --------------------------------------------------------------------------------------------------
 # Options
 
 
@@ -269,6 +312,13 @@ def test_the_bf16_hook_averages_on_gloo_as_bfloat16_arithmetic_does(ranks) -> No
 def test_bad_compression_options_are_refused_with_the_value_and_the_choices(options, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         DDPStrategy(**options)
+
+
+def test_bad_fsdp_reduce_dtype_is_refused_with_the_value_and_the_choices() -> None:
+    with pytest.raises(
+        ValueError, match=r"reduce_dtype must be None \(float32\), 'bf16' or 'fp16'.*got 'fp8'"
+    ):
+        FSDPStrategy(reduce_dtype="fp8")
 
 
 def test_powersgd_state_saved_on_two_ranks_resumes_in_a_world_of_one_with_their_mean_error() -> None:

@@ -53,10 +53,10 @@ def _fsdp() -> Any:
 _FLOAT32_NORMS = (nn.modules.batchnorm._BatchNorm,)
 
 
-def _norm_policy() -> Any:
+def _norm_policy(reduce_dtype: torch.dtype) -> Any:
     # The input cast up to float32, the output down to bfloat16 for the next layer of its unit.
     return _fsdp().MixedPrecisionPolicy(
-        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+        param_dtype=torch.float32, reduce_dtype=reduce_dtype, output_dtype=torch.bfloat16
     )
 
 
@@ -124,7 +124,7 @@ def _prepare_units(units: list[nn.Module], *, activation_checkpointing: bool, co
 
 
 def _check_sharding_options(
-    *, unit_classes: Any, min_unit_params: Any, mixed_precision: Any
+    *, unit_classes: Any, min_unit_params: Any, mixed_precision: Any, reduce_dtype: Any = None
 ) -> tuple[type[nn.Module], ...]:
     """Validate the options :func:`shard_model` and ``FSDPStrategy`` share. Local."""
     classes = (unit_classes,) if isinstance(unit_classes, type) else tuple(unit_classes or ())
@@ -145,7 +145,16 @@ def _check_sharding_options(
             f"mixed_precision must be None (float32) or 'bf16' (bfloat16 parameters and compute, "
             f"float32 gradient reduction), got {mixed_precision!r}."
         )
+    if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+        raise ValueError(
+            f"reduce_dtype must be None (float32), 'bf16' or 'fp16' (the dtype of the gradients' "
+            f"reduce-scatter), got {reduce_dtype!r}."
+        )
     return classes
+
+
+# shard_model(reduce_dtype=...) and FSDPStrategy(reduce_dtype=...).
+_REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_model(
@@ -158,6 +167,7 @@ def shard_model(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    reduce_dtype: str | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2, unit by unit, and return it.
 
@@ -192,6 +202,10 @@ def shard_model(
         compile: ``torch.compile`` each unit's forward before sharding (per unit, as torchtitan
             does; the root's forward only when it is the one unit); parameter names stay free of
             ``_orig_mod.``.
+        reduce_dtype: ``"bf16"`` or ``"fp16"``: gradients are reduce-scattered in that dtype (half
+            the bytes of float32, a rounding of each rank's gradient before the sum) and kept
+            float32 in the shards (with ``mixed_precision="bf16"`` too); ``None``: float32.
+            FSDP's counterpart of DDP's compression hooks (docs/trainer.md).
 
     Returns:
         ``model`` itself, sharded.
@@ -208,7 +222,10 @@ def shard_model(
     from distkit.errors import DistkitError
 
     classes = _check_sharding_options(
-        unit_classes=unit_classes, min_unit_params=min_unit_params, mixed_precision=mixed_precision
+        unit_classes=unit_classes,
+        min_unit_params=min_unit_params,
+        mixed_precision=mixed_precision,
+        reduce_dtype=reduce_dtype,
     )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -227,20 +244,26 @@ def shard_model(
     kwargs: dict[str, Any] = {}
     root_kwargs: dict[str, Any] = {}
     norms: list[nn.Module] = []
+    reduce = torch.float32 if reduce_dtype is None else _REDUCE_DTYPES[reduce_dtype]
     if mixed_precision == "bf16":
         norms = [m for m in _post_order(model) if m is not model and isinstance(m, _FLOAT32_NORMS)]
         units = [unit for unit in units if not isinstance(unit, _FLOAT32_NORMS)]
-        policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        policy = {"param_dtype": torch.bfloat16, "reduce_dtype": reduce}
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy)
         # The model's output in float32: the loss is computed in float32, as under autocast.
         # Between units the activations stay bfloat16.
         root_kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**policy, output_dtype=torch.float32)
+    elif reduce_dtype is not None:
+        # float32 parameters and compute; only the reduce-scatter is cast (and cast back).
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(reduce_dtype=reduce)
     if cpu_offload:
         kwargs["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     # Children before their parents: a BatchNorm is a leaf, inside a unit or the root.
     for norm in norms:
         fsdp.fully_shard(
-            norm, reshard_after_forward=reshard_after_forward, **{**kwargs, "mp_policy": _norm_policy()}
+            norm,
+            reshard_after_forward=reshard_after_forward,
+            **{**kwargs, "mp_policy": _norm_policy(reduce)},
         )
     for unit in units:
         fsdp.fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)

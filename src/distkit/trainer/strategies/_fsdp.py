@@ -83,6 +83,7 @@ class FSDPStrategyRunner(Strategy):
             cpu_offload=options.cpu_offload,
             activation_checkpointing=options.activation_checkpointing,
             compile=self.compile,
+            reduce_dtype=options.reduce_dtype,
         )
         self._model = model
         self._sync = True
