@@ -1,0 +1,228 @@
+"""What each of the Trainer's defaults costs per step: the Trainer with every default off, with each
+switched on alone, and with all of them (its real defaults), against a hand-written loop measured
+in the same blocks, with an A/A pair of the hand loop as the noise floor.
+
+Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer_defaults.py [--blocks 10]
+
+Workloads: benchmarks/bench_trainer.py's tiny MLP (overhead-bound) and medium MLP (compute-bound),
+each on 2 gloo ranks (DDP; the hand loop is seed 002's DDP loop) and in one process (the hand loop
+without DDP; the Trainer with strategy="single"). The defaults, each switched on alone over a
+Trainer that has them all off:
+
+- ``logger=True``: the CSV logger (one reduction of the loss every ``log_every_n_steps``);
+- ``enable_checkpointing=True``: a ModelCheckpoint, whose per-step cost is the time-based check
+  (one all-reduce of a flag at logging steps; its epoch-end save is outside the timed steps);
+- ``enable_progress_bar=None``: the progress display (plain ProgressLog lines here: stderr is no
+  terminal);
+- ``hang_timeout_s="auto"``: the hang doctor's watchdog (several processes only);
+- ``straggler_margin=0.2``: the per-phase step timing and the straggler check at logging steps.
+
+Every variant runs in the same processes, block by block, in an order that rotates every block;
+a block times each loop's steps after its first three. A variant's ratio is the median over
+blocks of (its block median / the hand loop's block median in the same block), with the quartiles
+of those ratios beside it; "hand (A/A)" is the hand loop again, so its spread is what no ratio can
+be told from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trainer import MODELS, _loader, _per_step, _seeded
+
+# Every default off; each variant switches some on.
+BARE: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "hang_timeout_s": None,
+    "straggler_margin": None,
+}
+DEFAULTS: dict[str, Any] = {
+    "logger": True,
+    "enable_checkpointing": True,
+    "enable_progress_bar": None,
+    "hang_timeout_s": "auto",
+    "straggler_margin": 0.2,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "Trainer, every default off": {},
+    "+ CSV logger": {"logger": True},
+    "+ ModelCheckpoint": {"enable_checkpointing": True},
+    "+ progress lines": {"enable_progress_bar": None},
+    "+ hang doctor": {"hang_timeout_s": "auto"},
+    "+ straggler timing": {"straggler_margin": 0.2},
+    "Trainer, defaults (all on)": DEFAULTS,
+}
+LOOPS = ("hand", "hand (A/A)", *VARIANTS)
+
+
+def _hand_block(module: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, ddp: bool) -> list[Any]:
+    model = DDP(module) if ddp else module
+    criterion = nn.CrossEntropyLoss()
+    stamps = []
+    for data, target in loader:
+        optimizer.zero_grad()
+        loss = criterion(model(data), target)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        stamps.append((time.perf_counter(), time.process_time()))
+    return _per_step(stamps)
+
+
+def _trainer_block(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: Any,
+    options: dict[str, Any],
+    ddp: bool,
+    root: str,
+) -> list[Any]:
+    from distkit.trainer import Callback, Trainer, TrainerView
+
+    class Stamps(Callback):
+        def __init__(self) -> None:
+            self.stamps: list[tuple[float, float]] = []
+
+        def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
+            self.stamps.append((time.perf_counter(), time.process_time()))
+
+    stamps = Stamps()
+    settings = {**BARE, **options}
+    trainer = Trainer(
+        strategy="ddp" if ddp else "single",
+        max_steps=len(loader),
+        batch_size=loader.batch_size,
+        default_root_dir=tempfile.mkdtemp(dir=root),  # a new run each block (checkpoints, logs)
+        callbacks=[stamps],
+        **settings,
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        trainer.fit(model, loader, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+    return _per_step(stamps.stamps)
+
+
+def _measure(world_size: int, rank: int, blocks: int) -> dict[str, dict[str, list[list[Any]]]]:
+    import distkit
+
+    ddp = world_size > 1
+    results: dict[str, dict[str, list[list[Any]]]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name, (factory, features, batch_size, steps) in MODELS.items():
+            loader = _loader(features, batch_size, steps, rank)
+            if not ddp:  # one process: the whole dataset's first `steps` batches, no sampler
+                loader = torch.utils.data.DataLoader(
+                    loader.dataset, batch_size=batch_size, sampler=list(range(batch_size * (steps + 2)))
+                )
+            models = {way: _seeded(factory) for way in LOOPS}
+            optimizers = {way: torch.optim.Adam(models[way].parameters(), lr=1e-3) for way in LOOPS}
+            times: dict[str, list[list[Any]]] = {way: [] for way in LOOPS}
+            for block in range(blocks + 1):
+                shift = block % len(LOOPS)
+                order = list(LOOPS[shift:] + LOOPS[:shift])
+                for way in order:
+                    if ddp:
+                        distkit.barrier()
+                    model, optimizer = models[way], optimizers[way]
+                    if way.startswith("hand"):
+                        per_step = _hand_block(model, optimizer, loader, ddp)
+                    else:
+                        per_step = _trainer_block(model, optimizer, loader, VARIANTS[way], ddp, root)
+                    if block:  # block 0 warms every loop up
+                        times[way].append(per_step)
+            results[name] = times
+    return results
+
+
+def _worker(rank: int, world_size: int, port: int, blocks: int, queue: Any) -> None:
+    torch.set_num_threads(1)  # as torchrun would: one thread per process
+    if world_size > 1:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        import distkit
+
+        distkit.init(backend="gloo")
+    results = _measure(world_size, rank, blocks)
+    if rank == 0:
+        queue.put(results)
+    if world_size > 1:
+        import distkit
+
+        distkit.barrier()
+        distkit.shutdown()
+
+
+def _run(world_size: int, blocks: int) -> dict[str, dict[str, list[list[Any]]]]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, blocks, queue)) for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[str, dict[str, list[list[Any]]]] = queue.get(timeout=3600)
+    for proc in procs:
+        proc.join(timeout=60)
+    return results
+
+
+def _ratios(hand: list[list[Any]], ours: list[list[Any]], clock: int) -> list[float]:
+    def median(block: list[Any]) -> float:
+        return statistics.median(step[clock] for step in block)
+
+    return [median(o) / median(h) for h, o in zip(hand, ours, strict=True)]
+
+
+def _shown(ratios: list[float]) -> str:
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=10, help="timed blocks per loop, model and world")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    args = parser.parse_args()
+    print(
+        f"per-step time / the hand loop's in the same block: median [quartiles] over {args.blocks} "
+        f"blocks; wall clock, then CPU time of the process (rank 0)"
+    )
+    for world_size in args.worlds:
+        start = time.monotonic()
+        results = _run(world_size, args.blocks)
+        where = "2 gloo ranks (DDP)" if world_size > 1 else "one process (single)"
+        print(f"\n{where} ({time.monotonic() - start:.0f} s)")
+        print(
+            f"  {'loop':28s} "
+            + " ".join(f"{name.split(' (')[0] + ' wall':>28s} {'CPU':>22s}" for name in results)
+        )
+        for way in LOOPS[1:]:
+            cells = []
+            for times in results.values():
+                cells.append(f"{_shown(_ratios(times['hand'], times[way], 0)):>28s}")
+                cells.append(f"{_shown(_ratios(times['hand'], times[way], 1)):>22s}")
+            print(f"  {way:28s} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
