@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -750,3 +753,79 @@ def test_the_load_meter_counts_our_own_processes_out_of_the_foreign_load() -> No
     # counters tick every 10 ms, per CPU for the machine's.
     difference_s = (as_foreign - as_own) * window_s * (os.cpu_count() or 1)
     assert difference_s == pytest.approx(child_s, abs=0.1), (difference_s, child_s, as_foreign, as_own)
+
+
+def _profile_with_load(load: float) -> Any:
+    from distkit.bench._prediction import ScalingProfile
+    from distkit.bench.profile import CommProfile
+
+    comm = CommProfile(2, "gloo", 4_000_000, 1, 0.001, 0.0001, "measured")
+    profile = ScalingProfile(
+        batch_size=32,
+        compute_s=0.02,
+        rank_compute_s=0.02,
+        forward_s=0.008,
+        backward_s=0.01,
+        num_parameters=1_000_000,
+        comm=comm,
+        overlap=False,
+        device="cpu",
+        num_threads=1,
+        load=load,
+    )
+    return dataclasses.replace(profile, predictions=tuple(profile.predict(n) for n in (1, 2, 4)))
+
+
+def test_the_advisor_withholds_its_verdict_on_a_loaded_machine_and_says_why() -> None:
+    # Seed 004's case: at a load of 40 the analysis said "Scales well" with no caveat.
+    idle, loaded = _profile_with_load(0.02), _profile_with_load(0.4)
+    assert "Scales well" in idle.recommendation() and "confidence" not in idle.recommendation()
+    text = loaded.recommendation()
+    assert text.startswith("No verdict (confidence: low: other processes used 40% of this machine's CPUs")
+    assert "Scales well" not in text and "Worth it" not in text and "Predicted:" in text
+    assert "Scales well" in loaded.recommendation(max_load=0.5)
+
+
+def _red_in_bottom_left(path: Path) -> bool:
+    from matplotlib.image import imread
+
+    pixels = imread(str(path))[..., :3]
+    corner = pixels[-int(pixels.shape[0] * 0.05) :, : pixels.shape[1] // 2]
+    red = (corner[..., 0] > 0.55) & (corner[..., 1] < 0.35) & (corner[..., 2] < 0.35)
+    return bool(red.any())
+
+
+def test_every_png_states_its_confidence_and_the_load(tmp_path: Path) -> None:
+    # The advisor's plot: a loaded machine's figure carries the low-confidence line (in red) at its
+    # foot; an idle machine's carries its own, in grey. The bench's plots get report.trust(result).
+    loaded = report.plot_profiles([_profile_with_load(0.4)], tmp_path / "loaded.png")
+    idle = report.plot_profiles([_profile_with_load(0.02)], tmp_path / "idle.png")
+    assert _red_in_bottom_left(loaded) and not _red_in_bottom_left(idle)
+    assert "measured on an idle machine (other processes used 2% of its CPUs)" in _load.trust_line(0.02)
+    assert "not measured" in _load.trust_line(math.nan)
+
+
+def busy_loop(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_profile_scaling_measures_the_load_of_processes_beside_it() -> None:
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc: the load is not measured on this platform")
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    ctx = multiprocessing.get_context("spawn")
+    hogs = [ctx.Process(target=busy_loop, args=(30.0,)) for _ in range(2)]
+    for hog in hogs:
+        hog.start()
+    try:
+        time.sleep(1.0)  # the hogs are running before the measurement starts
+        profile = profile_scaling(model, batch, world_sizes=(2,), steps=3, warmup_steps=1, min_time_s=1.0)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.join()
+    assert profile.load > 0.1, profile.load
+    assert profile.recommendation().startswith("No verdict (confidence: low")

@@ -196,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> int:
         progress.close()
     rows = list(result.rows)
     csv_path = report.write_csv([r.as_dict() for r in rows], out / "results.csv", runner.BenchRow.columns())
-    plots, plot_problem = _plots_or_reason(lambda: report.plot_rows(rows, out))
+    plots, plot_problem = _plots_or_reason(lambda: report.plot_rows(rows, out, trust=report.trust(result)))
     advice = report.recommend(result)
 
     def table() -> None:

@@ -56,6 +56,23 @@ def _process_cpu_s(pid: int) -> float | None:
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+#: Share of the machine's CPUs other processes may use before the bench and the advisor withhold
+#: their verdict: at 10 % a 2-core machine already lends a fifth of a core to someone else.
+MAX_LOAD = 0.10
+
+
+def trust_line(load: float, max_load: float = MAX_LOAD) -> str:
+    """What a figure or a report says about the machine it was measured on."""
+    if math.isnan(load):
+        return "confidence: unknown (the machine's load from other processes was not measured)"
+    if load > max_load:
+        return (
+            f"confidence: low: other processes used {load:.0%} of this machine's CPUs while it measured "
+            f"(more than {max_load:.0%}); measure again on an idle machine"
+        )
+    return f"confidence: measured on an idle machine (other processes used {load:.0%} of its CPUs)"
+
+
 class LoadMeter:
     """Measure the share of the machine's CPUs that processes other than ours use.
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from distkit._utils.fs import atomic_open
+from distkit.bench._load import trust_line
 from distkit.bench.profile import ScalingProfile
 from distkit.bench.runner import BenchRow
 
@@ -30,6 +31,14 @@ def _figure(figsize: tuple[float, float] = _FIGSIZE) -> Any:
     figure = Figure(figsize=figsize, dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
+
+
+def _stamp(figure: Any, trust: str) -> None:
+    """Write what the numbers can be trusted for into the figure itself (a plot shown alone)."""
+    if trust:
+        low = "confidence: low" in trust
+        figure.text(0.01, 0.005, trust, fontsize="x-small", color="firebrick" if low else "dimgray",
+                    ha="left", va="bottom")  # fmt: skip
 
 
 def _save(figure: Any, path: Path) -> Path:
@@ -136,14 +145,16 @@ def _finish(
         ax.legend(fontsize="x-small", loc=loc)
 
 
-def plot_rows(rows: Sequence[BenchRow], out_dir: str | Path) -> list[Path]:
+def plot_rows(rows: Sequence[BenchRow], out_dir: str | Path, *, trust: str = "") -> list[Path]:
     """Plot throughput, scaling efficiency and memory; return the PNG paths.
 
     Writes ``throughput.png`` (samples/s with the repetitions' intervals as error bars and each
     batch's ideal, N times the one-process rate), ``scaling_efficiency.png`` (speedup and
     efficiency with error bars against the ideal) and ``memory.png`` into ``out_dir``; nothing
     when no configuration was measured. Oversubscribed points are circled in red on a shaded
-    band; efficiencies above 100 % carry a question mark.
+    band; efficiencies above 100 % carry a question mark. ``trust`` (the report's confidence and
+    the machine's load) is written into every figure, so that a plot shown alone says how far it
+    can be trusted.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -173,6 +184,7 @@ def plot_rows(rows: Sequence[BenchRow], out_dir: str | Path) -> list[Path]:
     ax.set(ylabel="samples / s (median, range of repetitions)", title=f"Throughput: {_title(rows)}")
     ax.title.set_fontsize("medium")
     _finish(ax, sizes)
+    _stamp(figure, trust)
     paths.append(_save(figure, out / "throughput.png"))
 
     figure = _figure((9.6, 4.2))
@@ -201,6 +213,7 @@ def plot_rows(rows: Sequence[BenchRow], out_dir: str | Path) -> list[Path]:
     _finish(speed_ax, sizes)
     _finish(eff_ax, sizes, legend=False)
     figure.suptitle(f"{_title(rows)}; error bars: range of repetitions", fontsize="medium")
+    _stamp(figure, trust)
     paths.append(_save(figure, out / "scaling_efficiency.png"))
 
     figure = _figure()
@@ -217,6 +230,7 @@ def plot_rows(rows: Sequence[BenchRow], out_dir: str | Path) -> list[Path]:
     ax.set(ylabel=ylabel, title=f"Memory: {_title(rows)}")
     ax.title.set_fontsize("medium")
     _finish(ax, sizes, loc="lower right")
+    _stamp(figure, trust)
     paths.append(_save(figure, out / "memory.png"))
     return paths
 
@@ -225,7 +239,8 @@ def plot_profiles(profiles: Sequence[ScalingProfile], path: str | Path, *, title
     """Plot predicted speedup against world size, one line per profile (batch size), with the ideal.
 
     Error bars are the predictions' intervals (every measured part at its least and its most
-    favourable end).
+    favourable end). The figure states its confidence: the machine's load while the profiles
+    were measured (the highest of them).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -256,4 +271,6 @@ def plot_profiles(profiles: Sequence[ScalingProfile], path: str | Path, *, title
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    loads = [p.load for p in profiles if not math.isnan(p.load)]
+    _stamp(figure, trust_line(max(loads) if loads else math.nan))
     return _save(figure, Path(path))

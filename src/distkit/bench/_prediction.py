@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from distkit.bench._load import MAX_LOAD, trust_line
+
 __all__ = ["CommProfile", "ScalingPrediction", "ScalingProfile"]
 
 _MIB = 1024 * 1024
@@ -181,6 +183,8 @@ class ScalingProfile:
         compute_high: Its upper end.
         rank_compute_low: The interval of ``rank_compute_s``.
         rank_compute_high: Its upper end.
+        load: The share of the machine's CPUs other processes used while the spawned ranks
+            measured (``nan``: not measured: inside a job, a window under half a second, no /proc).
 
     Example:
         >>> profile = distkit.profile_scaling(model, batch)  # doctest: +SKIP
@@ -203,6 +207,7 @@ class ScalingProfile:
     compute_high: float = math.nan
     rank_compute_low: float = math.nan
     rank_compute_high: float = math.nan
+    load: float = math.nan
 
     def __post_init__(self) -> None:
         for name, value in (("compute", self.compute_s), ("rank_compute", self.rank_compute_s)):
@@ -253,12 +258,15 @@ class ScalingProfile:
             speedup_high=world_size * self.compute_high / (self.rank_compute_low + comm_low),
         )
 
-    def recommendation(self) -> str:
+    def recommendation(self, *, max_load: float = MAX_LOAD) -> str:
         """A plain-language verdict: will more ranks help, up to how many, and what to change.
 
         Every number it quotes is one this profile measured or predicted; it says "raise the batch"
         only when comparing profiles of several batch sizes shows that a larger one is predicted
-        to scale better (:func:`distkit.bench.report.recommend_profiles`).
+        to scale better (:func:`distkit.bench.report.recommend_profiles`). On a machine where other
+        processes used more than ``max_load`` of the CPUs while it measured (``load``), it gives the
+        numbers and withholds the verdict, as ``distkit bench`` does: their load inflates the
+        compute time, so the verdict would be about them.
         """
         ms = 1e3
         batch = f" at batch {self.batch_size} per rank" if self.batch_size else ""
@@ -273,6 +281,8 @@ class ScalingProfile:
             f"({self.comm.source}): compute/communication ratio {self.ratio:.1f}."
         ]
         many = [p for p in self.predictions if p.world_size > 1]
+        if not math.isnan(self.load) and self.load > max_load:
+            lines.insert(0, f"No verdict ({trust_line(self.load, max_load)}).")
         if not many:
             return "\n".join(lines)
         lines.append(
@@ -284,6 +294,8 @@ class ScalingProfile:
             )
             + "."
         )
+        if not math.isnan(self.load) and self.load > max_load:
+            return "\n".join(lines)
         best = max(many, key=lambda p: p.speedup)
         accumulated = self.predict(best.world_size, accumulate=_ACCUMULATE)
         accumulate = (

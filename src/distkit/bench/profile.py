@@ -185,8 +185,10 @@ def _measure_ranks(
     min_time_s: float,
     threads: int,
     timeout_s: float,
-) -> tuple[CommProfile, dict[str, Timing]]:
-    """Communication of ``layout`` measured with several ranks; with a task also the compute parts."""
+) -> tuple[CommProfile, dict[str, Timing], float]:
+    """Communication of ``layout`` measured with several ranks; with a task also the compute parts;
+    and the share of the machine's CPUs other processes used meanwhile (``nan`` inside a job)."""
+    load = math.nan
     if runtime.get_world_size() > 1:
         # Inside a job: measure with the job's own group, at its world size, on every rank.
         runtime._require_runtime("profile_scaling() in a multi-process job")
@@ -201,14 +203,14 @@ def _measure_ranks(
                 f"distributed job (it then measures with the job's group), or pass bandwidth_gbps "
                 f"and latency_us of your interconnect."
             )
-        results = _spawn.run_group(
-            _profile_rank,
-            (layout, task, steps, warmup_steps, min_time_s),
-            world_size=comm_world_size,
-            backend=used_backend,
-            threads=threads,
-            timeout_s=timeout_s,
-        )
+        with _spawn.RankGroup(
+            comm_world_size, backend=used_backend, threads=threads, timeout_s=timeout_s
+        ) as group:
+            # As distkit bench does: what other processes take of the machine while ranks measure.
+            meter = _load.LoadMeter(lambda: group.pids)
+            meter.start()
+            results = group.run(_profile_rank, (layout, task, steps, warmup_steps, min_time_s))
+            load = meter.stop()
         # The group runs at the pace of its slowest rank; "alone" is rank 0's only.
         shared = [key for key in results[0] if all(key in r for r in results)]
         measured = {key: Timing.slowest([r[key] for r in results]) for key in shared}
@@ -235,7 +237,7 @@ def _measure_ranks(
         step_low=comm.low,
         step_high=comm.high,
     )
-    return profile, measured
+    return profile, measured, load
 
 
 def _check_count(name: str, value: int, low: int) -> None:
@@ -378,10 +380,11 @@ def profile_scaling(
         )
 
     measured: dict[str, Timing] = {}
+    load = math.nan
     if comm is None and bandwidth_gbps is not None:
         comm = _comm_from_bandwidth(grad_bytes, bandwidth_gbps, latency_us)
     elif comm is None:
-        comm, measured = _measure_ranks(
+        comm, measured, load = _measure_ranks(
             layout,
             grad_bytes,
             task,
@@ -420,6 +423,7 @@ def profile_scaling(
         compute_high=alone["step"].high,
         rank_compute_low=rank_compute.low,
         rank_compute_high=rank_compute.high,
+        load=load,
     )
     predictions = tuple(profile.predict(n) for n in sorted(set(world_sizes)))
     return replace(profile, predictions=predictions)

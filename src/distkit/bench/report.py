@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from distkit._utils.fs import atomic_open
+from distkit.bench import _load as _load_module
 from distkit.bench._plots import plot_profiles, plot_rows
 from distkit.bench._prediction import _ACCUMULATE, ScalingProfile, _pays
 from distkit.bench.runner import BenchResult, BenchRow
@@ -30,12 +31,13 @@ __all__ = [
     "plot_rows",
     "recommend",
     "recommend_profiles",
+    "trust",
     "write_csv",
 ]
 
 #: Share of the machine's CPUs other processes may use before a recommendation is withheld: at
 #: 10 % a 2-core machine already lends a fifth of a core to someone else.
-MAX_LOAD = 0.10
+MAX_LOAD = _load_module.MAX_LOAD
 # Efficiency from which scaling counts as near-linear.
 _GOOD = 0.8
 # Cheapest first among configurations with as many processes or devices.
@@ -117,6 +119,16 @@ def candidates(result: BenchResult) -> list[BenchRow]:
 
 def _devices(row: BenchRow) -> int:
     return 1 if row.strategy == "single" else row.world_size
+
+
+def trust(result: BenchResult, *, max_load: float = MAX_LOAD) -> str:
+    """The line each plot of ``result`` carries: the confidence its report can have, and why.
+
+    Example:
+        >>> trust(result)  # doctest: +SKIP
+        'confidence: measured on an idle machine (other processes used 2% of its CPUs)'
+    """
+    return _load_module.trust_line(_load(result), max_load)
 
 
 def _load(result: BenchResult) -> float:
