@@ -21,7 +21,14 @@ from torch import nn
 
 import distkit
 from distkit.bench import _load, _names, _spawn, _timing, profile_scaling, report
-from distkit.bench.profile import CommProfile, ScalingProfile, _check_optimizer, _pack_task, _unpack_task
+from distkit.bench.profile import (
+    CommOption,
+    CommProfile,
+    ScalingProfile,
+    _check_optimizer,
+    _pack_task,
+    _unpack_task,
+)
 from distkit.bench.runner import BenchResult, BenchRow, is_oversubscribed, oversubscription, run_benchmark
 from distkit.bench.stats import Interval, Option, decide, noise_floor, ratio_spread, spread
 from distkit.bench.workloads import PRESETS, TextClassifier, Workload, default_loss, load_workload
@@ -85,6 +92,17 @@ def test_profile_scaling_times_an_adamw_with_param_groups_in_spawned_ranks_witho
     assert all(torch.equal(a, b) for a, b in zip(before, workload.model.parameters(), strict=True))
     assert all(p.grad is None for p in workload.model.parameters())
     assert not optimizer.state
+    # What the prescription weighs, measured in the same ranks: each compression through the
+    # Trainer's own hooks (no bucket option: the model fits DDP's first bucket), and twice the batch.
+    assert [o.name for o in profile.comm_options] == ["fp16", "bf16", "powersgd"]
+    for option in profile.comm_options:
+        assert option.comm.source == "measured" and option.comm.grad_bytes == comm.grad_bytes
+        assert option.comm.step_low <= option.comm.step_s <= option.comm.step_high
+        assert option.setting.startswith("DDPStrategy(comm_hook=") and not option.exact
+    assert profile.double_batch_low <= profile.double_batch_s <= profile.double_batch_high
+    assert profile.double_batch_s > 0
+    names = {p.name for p in profile.prescriptions(2)}
+    assert names == {"fp16", "bf16", "powersgd", "accumulate", "batch"}
 
 
 def _adamw_with_groups(fused: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -113,11 +131,11 @@ def test_the_ranks_copy_of_an_adamw_keeps_its_param_groups_flags_and_binds_the_c
 ) -> None:
     model, optimizer = _adamw_with_groups(fused)
     batch = (torch.randn(4, 8), torch.randint(2, (4,)))
-    payload = _pack_task(model, batch, default_loss, optimizer)
+    payload = _pack_task(model, batch, None, default_loss, optimizer)
     assert payload is not None
     unpacked = _unpack_task(payload)
     assert unpacked is not None
-    copy_model, _, _, copy_opt = unpacked
+    copy_model, _, _, _, copy_opt = unpacked
     assert type(copy_opt) is torch.optim.AdamW
     assert len(copy_opt.param_groups) == 2
     for mine, theirs in zip(copy_opt.param_groups, optimizer.param_groups, strict=True):
@@ -153,14 +171,17 @@ def profile_in_job() -> tuple[int, float, float, float]:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     batch = (torch.randn(8, 16), torch.randint(4, (8,)))
     profile = distkit.profile_scaling(model, batch, world_sizes=(2,), steps=3, warmup_steps=1, min_time_s=0)
-    return profile.comm.world_size, profile.comm.step_s, profile.compute_s, profile.rank_compute_s
+    options = tuple((o.name, o.comm.step_s) for o in profile.comm_options)
+    return profile.comm.world_size, profile.comm.step_s, profile.compute_s, profile.rank_compute_s, options
 
 
 def test_inside_a_job_profile_scaling_measures_with_the_jobs_group_on_every_rank(ranks) -> None:
     results = ranks.run(profile_in_job, world_size=2)
     assert results[0] == results[1]  # one reduced answer on every rank
-    world_size, comm_s, compute_s, rank_compute_s = results[0]
+    world_size, comm_s, compute_s, rank_compute_s, options = results[0]
     assert world_size == 2 and comm_s > 0 and compute_s == rank_compute_s > 0
+    # The options are measured with the job's group too, through the hooks the Trainer registers.
+    assert [name for name, _ in options] == ["fp16", "bf16", "powersgd"] and all(t >= 0 for _, t in options)
 
 
 def test_comm_time_follows_the_ring_all_reduce_model() -> None:
@@ -186,6 +207,11 @@ def test_a_bandwidth_model_predicts_without_starting_processes(monkeypatch: pyte
     assert profile.comm.source == "bandwidth model"
     assert profile.comm.step_s == pytest.approx(1_001_000 / 1e9)  # 8 Gbit/s = 1 GB/s
     assert profile.rank_compute_s == profile.compute_s
+    # Compression halves the bytes on the wire; PowerSGD's work depends on the shapes: left out.
+    assert [(o.name, o.comm.step_s) for o in profile.comm_options] == [
+        ("fp16", pytest.approx(500_500 / 1e9)),
+        ("bf16", pytest.approx(500_500 / 1e9)),
+    ]
 
 
 def test_profile_scaling_rejects_bad_arguments_and_foreign_comm() -> None:
@@ -822,10 +848,92 @@ def test_profile_scaling_measures_the_load_of_processes_beside_it() -> None:
         hog.start()
     try:
         time.sleep(1.0)  # the hogs are running before the measurement starts
-        profile = profile_scaling(model, batch, world_sizes=(2,), steps=3, warmup_steps=1, min_time_s=1.0)
+        profile = profile_scaling(
+            model, batch, world_sizes=(2,), steps=3, warmup_steps=1, min_time_s=1.0, options=False
+        )
     finally:
         for hog in hogs:
             hog.kill()
             hog.join()
     assert profile.load > 0.1, profile.load
     assert profile.recommendation().startswith("No verdict (confidence: low")
+
+
+def _weighed(
+    compute_ms: float,
+    comm_ms: float,
+    options: dict[str, float],
+    *,
+    double_ms: float = math.nan,
+    spread: float = 0.0,
+    exact: tuple[str, ...] = (),
+    load: float = math.nan,
+) -> ScalingProfile:
+    """A profile with DDP options measured at the given ms; every interval +-``spread`` of its value."""
+
+    def comm(ms: float) -> CommProfile:
+        s = ms / 1e3
+        return CommProfile(2, "gloo", 4 * 2**20, 1, s, 0.0, "measured", s * (1 - spread), s * (1 + spread))
+
+    c, d = compute_ms / 1e3, double_ms / 1e3
+    profile = ScalingProfile(
+        32, c, c, 0.0, 0.0, 1000, comm(comm_ms), False, "cpu", 1,
+        compute_low=c * (1 - spread), compute_high=c * (1 + spread),
+        rank_compute_low=c * (1 - spread), rank_compute_high=c * (1 + spread),
+        load=load,
+        comm_options=tuple(
+            CommOption(name, f"change {name}", f"setting {name}", f"cost {name}", name in exact, comm(ms))
+            for name, ms in options.items()
+        ),
+        double_batch_s=d, double_batch_low=d * (1 - spread), double_batch_high=d * (1 + spread),
+    )  # fmt: skip
+    return dataclasses.replace(profile, predictions=tuple(profile.predict(n) for n in (1, 2)))
+
+
+def test_each_change_is_predicted_from_its_own_measurement_and_the_fastest_clear_one_is_prescribed() -> None:
+    profile = _weighed(10.0, 10.0, {"fp16": 6.0, "powersgd": 2.0}, double_ms=18.0)
+    found = {p.name: p.prediction for p in profile.prescriptions(2)}
+    assert profile.predict(2).speedup == pytest.approx(1.0)  # 2 x 10 / (10 + 10)
+    assert found["fp16"].speedup == pytest.approx(2 * 10 / 16)
+    assert found["powersgd"].speedup == pytest.approx(2 * 10 / 12)
+    assert found["accumulate"].speedup == pytest.approx(2 * 10 / (10 + 10 / 4))  # one all-reduce per 4
+    # Twice the batch: 2 ranks x 2 batches in 18 + 10 ms, against one process's batch in 10 ms.
+    assert found["batch"].speedup == pytest.approx(4 * 10 / 28)
+    assert found["batch"].samples_per_s == pytest.approx(2 * 64 / 0.028)
+    assert [p.name for p in profile.prescriptions(2)] == ["powersgd", "accumulate", "batch", "fp16"]
+    best = profile.prescribed(2)
+    assert best is not None and best.name == "powersgd"
+    text = profile.recommendation()
+    assert "What each change is predicted to give on 2 ranks" in text
+    assert "  change powersgd  " in text and "Trainer(accumulate_grad_batches=4)" in text
+    assert text.splitlines()[-1] == (
+        "Prescription for 2 ranks: change powersgd: setting powersgd. Predicted 1.67x against 1.00x as it "
+        "is, which makes 2 ranks worth their cost. What it costs: cost powersgd."
+    )
+    assert profile.as_dict()["prescribed"] == "powersgd"
+    assert profile.as_dict()["prescriptions"][0]["name"] == "powersgd"
+
+
+def test_an_exact_change_is_prescribed_when_its_interval_reaches_the_fastest_ones() -> None:
+    profile = _weighed(10.0, 10.0, {"powersgd": 2.0, "bucket": 2.6}, spread=0.03, exact=("bucket",))
+    best = profile.prescribed(2)
+    assert best is not None and best.name == "bucket" and best.exact
+    # Far slower than the fastest: the fastest it is, exact or not.
+    profile = _weighed(10.0, 10.0, {"powersgd": 2.0, "bucket": 7.0}, spread=0.03, exact=("bucket",))
+    best = profile.prescribed(2)
+    assert best is not None and best.name == "powersgd"
+
+
+def test_nothing_is_prescribed_inside_the_spread_for_a_job_that_scales_or_on_a_loaded_machine() -> None:
+    # Every change's interval overlaps the job's as it is: the report says it cannot tell.
+    wide = _weighed(10.0, 3.0, {"fp16": 2.5}, spread=0.3)
+    assert wide.prescribed(2) is None
+    assert "No change is predicted to beat the job as it is on 2 ranks beyond" in wide.recommendation()
+    # 91 % efficient: nothing to change, and no table of changes.
+    scales = _weighed(100.0, 10.0, {"powersgd": 1.0})
+    assert scales.prescribed(2) is None and "What each change" not in scales.recommendation()
+    # On a loaded machine the verdict is withheld, the prescription with it.
+    loaded = _weighed(10.0, 10.0, {"powersgd": 2.0}, load=0.4)
+    assert "Prescription" not in loaded.recommendation() and "What each change" not in loaded.recommendation()
+    assert loaded.prescribed(2) is not None  # the arithmetic stays available
+    assert _weighed(10.0, 10.0, {}).prescriptions(1) == ()

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import torch
 
 from distkit.bench import _load, report, runner
-from distkit.bench.profile import ScalingPrediction, ScalingProfile, profile_scaling
+from distkit.bench.profile import CommOption, CommProfile, ScalingPrediction, ScalingProfile, profile_scaling
 from distkit.bench.workloads import load_workload
 
 # Values of CI that mean "running in CI" (GitHub Actions, GitLab, Travis and others set CI=true).
@@ -259,7 +259,8 @@ def run_profile(args: argparse.Namespace, out: Path) -> int:
     predict = sorted(set(args.predict))
     progress = Progress(progress_mode(args.no_progress), "distkit bench --profile")
     profiles: list[ScalingProfile] = []
-    comm = None
+    comm: CommProfile | None = None
+    comm_options: tuple[CommOption, ...] = ()
     try:
         for index, batch_size in enumerate(args.batch_sizes, 1):
             model = copy.deepcopy(workload.model).to(device)
@@ -277,12 +278,13 @@ def run_profile(args: argparse.Namespace, out: Path) -> int:
                 bandwidth_gbps=args.bandwidth_gbps,
                 latency_us=args.latency_us,
                 comm=comm,
+                comm_options=comm_options,
                 timeout_s=args.timeout_s,
             )
             if cuda:
                 # Communication does not depend on the batch size: measure it once. CPU ranks are
                 # spawned for every batch size, as they also time the compute they share the cores for.
-                comm = profile.comm
+                comm, comm_options = profile.comm, profile.comm_options
             profiles.append(profile)
             progress(index, len(args.batch_sizes), f"batch {batch_size}: ratio {profile.ratio:.1f}")
     finally:

@@ -101,7 +101,7 @@ def measure_config(
         split = _timing.StepSplit(
             _timing.gradient_layout(plain),
             device,
-            step=lambda: _timing.train_step(plain, batch, loss_fn, plain_optimizer, device)[0],
+            steps={"compute": lambda: _timing.train_step(plain, batch, loss_fn, plain_optimizer, device)[0]},
         )
         parts.update(split.parts())
     records = _timing.measure_blocks(

@@ -14,7 +14,7 @@ from typing import Any
 
 from distkit.bench._load import MAX_LOAD, trust_line
 
-__all__ = ["CommProfile", "ScalingPrediction", "ScalingProfile"]
+__all__ = ["CommOption", "CommProfile", "Prescription", "ScalingPrediction", "ScalingProfile"]
 
 _MIB = 1024 * 1024
 # DDP's default bucket layout (torch.nn.parallel.DistributedDataParallel): the gradients computed
@@ -148,6 +148,57 @@ class ScalingPrediction:
         return self.speedup_high / self.world_size
 
 
+@dataclass(frozen=True)
+class CommOption:
+    """The gradient communication of the same model measured with one DDP option instead of the
+    plain float32 all-reduce: compression or a bucket size.
+
+    Attributes:
+        name: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"bucket"``.
+        change: What changes, in words.
+        setting: How to ask for it, e.g. ``DDPStrategy(comm_hook="fp16")``.
+        cost: What it changes besides speed.
+        exact: Whether the job then computes exactly what it did (only the bucket size does).
+        comm: Its communication per step, measured as :attr:`ScalingProfile.comm` is (through
+            real DDP with the hook the Trainer registers for it, alternating with the plain one).
+    """
+
+    name: str
+    change: str
+    setting: str
+    cost: str
+    exact: bool
+    comm: CommProfile
+
+
+@dataclass(frozen=True)
+class Prescription:
+    """One change to a data-parallel job with its predicted speed: a line of the advisor's prescription.
+
+    Attributes:
+        name: ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"bucket"``, ``"accumulate"`` or ``"batch"``.
+        change: What changes, in words.
+        setting: How to ask for it (a ``Trainer`` or ``DDPStrategy`` argument).
+        cost: What it changes besides speed: the accuracy of the gradients, or the global batch.
+        exact: Whether the job then computes exactly what it did.
+        prediction: The predicted speed on ``prediction.world_size`` ranks with the change. Its
+            ``speedup`` is samples per second against one process as the job is now (the batch
+            you profiled, no DDP), so every change is compared with the same baseline.
+
+    Example:
+        >>> best = profile.prescriptions(2)[0]  # doctest: +SKIP
+        >>> best.setting, round(best.prediction.speedup, 2)  # doctest: +SKIP
+        ('DDPStrategy(comm_hook="powersgd", powersgd_rank=1)', 1.52)
+    """
+
+    name: str
+    change: str
+    setting: str
+    cost: str
+    exact: bool
+    prediction: ScalingPrediction
+
+
 def _range_text(value: float, low: float, high: float, fmt: str, unit: str = "") -> str:
     text = format(value, fmt) + unit
     if low == high == value:
@@ -185,6 +236,12 @@ class ScalingProfile:
         rank_compute_high: Its upper end.
         load: The share of the machine's CPUs other processes used while the spawned ranks
             measured (``nan``: not measured: inside a job, a window under half a second, no /proc).
+        comm_options: Communication measured with each DDP option (compression, bucket size),
+            for :meth:`prescriptions`; empty with ``profile_scaling(options=False)``.
+        double_batch_s: ``rank_compute_s`` at twice the batch per rank (``nan``: not measured;
+            a batch that holds no tensor to double).
+        double_batch_low: Its interval's lower end.
+        double_batch_high: Its upper end.
 
     Example:
         >>> profile = distkit.profile_scaling(model, batch)  # doctest: +SKIP
@@ -208,9 +265,17 @@ class ScalingProfile:
     rank_compute_low: float = math.nan
     rank_compute_high: float = math.nan
     load: float = math.nan
+    comm_options: tuple[CommOption, ...] = ()
+    double_batch_s: float = math.nan
+    double_batch_low: float = math.nan
+    double_batch_high: float = math.nan
 
     def __post_init__(self) -> None:
-        for name, value in (("compute", self.compute_s), ("rank_compute", self.rank_compute_s)):
+        for name, value in (
+            ("compute", self.compute_s),
+            ("rank_compute", self.rank_compute_s),
+            ("double_batch", self.double_batch_s),
+        ):
             object.__setattr__(self, f"{name}_low", _fill(getattr(self, f"{name}_low"), value))
             object.__setattr__(self, f"{name}_high", _fill(getattr(self, f"{name}_high"), value))
 
@@ -242,11 +307,28 @@ class ScalingProfile:
         if world_size == 1:
             rate = self.batch_size / self.compute_s if self.batch_size else math.nan
             return ScalingPrediction(1, self.compute_s, 0.0, 1.0, 1.0, rate)
-        comm_s = self._exposed(self.comm.time_at(world_size)) / accumulate
-        comm_low, comm_high = (self._exposed(c) / accumulate for c in self.comm.range_at(world_size))
-        step_s = self.rank_compute_s + comm_s
-        speedup = world_size * self.compute_s / step_s
-        rate = world_size * self.batch_size / step_s if self.batch_size else math.nan
+        compute = (self.rank_compute_s, self.rank_compute_low, self.rank_compute_high)
+        return self._forecast(world_size, self.comm, compute, accumulate=accumulate)
+
+    def _forecast(
+        self,
+        world_size: int,
+        comm: CommProfile,
+        compute: tuple[float, float, float],
+        *,
+        accumulate: int = 1,
+        batch_factor: int = 1,
+    ) -> ScalingPrediction:
+        """``world_size > 1`` ranks whose step computes ``compute`` (value, low, high) seconds on
+        ``batch_factor`` times the profiled batch and reduces through ``comm`` once per
+        ``accumulate`` steps; the speedup is against one process at the profiled batch."""
+        value, low, high = compute
+        comm_s = self._exposed(comm.time_at(world_size)) / accumulate
+        comm_low, comm_high = (self._exposed(c) / accumulate for c in comm.range_at(world_size))
+        step_s = value + comm_s
+        samples = world_size * batch_factor
+        speedup = samples * self.compute_s / step_s
+        rate = samples * self.batch_size / step_s if self.batch_size else math.nan
         return ScalingPrediction(
             world_size,
             step_s,
@@ -254,9 +336,61 @@ class ScalingProfile:
             speedup,
             speedup / world_size,
             rate,
-            speedup_low=world_size * self.compute_low / (self.rank_compute_high + comm_high),
-            speedup_high=world_size * self.compute_high / (self.rank_compute_low + comm_low),
+            speedup_low=samples * self.compute_low / (high + comm_high),
+            speedup_high=samples * self.compute_high / (low + comm_low),
         )
+
+    def prescriptions(self, world_size: int | None = None) -> tuple[Prescription, ...]:
+        """Each change the advisor weighs, with its predicted speed on ``world_size`` ranks, fastest first.
+
+        The changes: each measured DDP option (:attr:`comm_options`: gradient compression to
+        float16 or bfloat16, PowerSGD, larger buckets), accumulating :data:`_ACCUMULATE` batches
+        per all-reduce (the communication of a step divided by that), and twice the batch per rank
+        (when :attr:`double_batch_s` was measured). ``world_size`` defaults to the largest one
+        predicted. Local: arithmetic on the measurements.
+
+        Example:
+            >>> for p in profile.prescriptions(8):  # doctest: +SKIP
+            ...     print(p.change, p.prediction.speedup)
+        """
+        n = world_size or max((p.world_size for p in self.predictions), default=2)
+        if n < 2:
+            return ()
+        compute = (self.rank_compute_s, self.rank_compute_low, self.rank_compute_high)
+        found = [
+            Prescription(o.name, o.change, o.setting, o.cost, o.exact, self._forecast(n, o.comm, compute))
+            for o in self.comm_options
+        ]
+        found.append(
+            Prescription(
+                "accumulate",
+                f"accumulate {_ACCUMULATE} batches per all-reduce (DDP's no_sync())",
+                f"Trainer(accumulate_grad_batches={_ACCUMULATE})",
+                f"each optimizer step then sees {_ACCUMULATE}x the samples: retune the learning rate, or "
+                f"divide the batch per rank by {_ACCUMULATE} to keep the optimizer's batch",
+                False,
+                self._forecast(n, self.comm, compute, accumulate=_ACCUMULATE),
+            )
+        )
+        if not math.isnan(self.double_batch_s):
+            batch = f" ({self.batch_size} to {2 * self.batch_size})" if self.batch_size else ""
+            found.append(
+                Prescription(
+                    "batch",
+                    f"double the batch per rank{batch}",
+                    "the DataLoader's batch_size" + (f"={2 * self.batch_size}" if self.batch_size else " x2"),
+                    "each optimizer step sees twice the samples (retune the learning rate), and a "
+                    "rank holds twice the activations",
+                    False,
+                    self._forecast(
+                        n,
+                        self.comm,
+                        (self.double_batch_s, self.double_batch_low, self.double_batch_high),
+                        batch_factor=2,
+                    ),
+                )
+            )
+        return tuple(sorted(found, key=lambda p: -p.prediction.speedup))
 
     def recommendation(self, *, max_load: float = MAX_LOAD) -> str:
         """A plain-language verdict: will more ranks help, up to how many, and what to change.
@@ -326,12 +460,76 @@ class ScalingProfile:
                 f"one ({best.speedup_low:.2f}x to {best.speedup_high:.2f}x): measure longer (min_time_s) "
                 f"or on a quieter machine before deciding."
             )
+        lines.extend(self._prescription_lines(many[-1]))
         return "\n".join(lines)
 
+    def prescribed(self, world_size: int | None = None) -> Prescription | None:
+        """The change the advisor prescribes for ``world_size`` ranks (default: the largest predicted).
+
+        A change is prescribed only when its predicted speedup interval lies wholly above the job's
+        as it is (``speedup_low`` above the plain ``speedup_high``); among those the fastest, or an
+        exact one (the same sums: a bucket size) whose interval reaches the fastest one's. Nothing
+        is prescribed when the job already scales well (efficiency 80 % or more) or on one rank.
+        Local: arithmetic on the measurements.
+
+        Example:
+            >>> change = profile.prescribed(2)  # doctest: +SKIP
+            >>> change.setting if change else "nothing to change"  # doctest: +SKIP
+            'Trainer(accumulate_grad_batches=4)'
+        """
+        n = world_size or max((p.world_size for p in self.predictions), default=2)
+        if n < 2:
+            return None
+        plain = self.predict(n)
+        if plain.efficiency >= _GOOD:
+            return None
+        clear = [p for p in self.prescriptions(n) if p.prediction.speedup_low > plain.speedup_high]
+        if not clear:
+            return None
+        best = clear[0]
+        exact = [p for p in clear if p.exact and p.prediction.speedup_high >= best.prediction.speedup_low]
+        return exact[0] if exact and not best.exact else best
+
+    def _prescription_lines(self, plain: ScalingPrediction) -> list[str]:
+        """What would make ``plain.world_size`` ranks pay: a table of the changes, and the prescription
+        (:meth:`prescribed`). Nothing when the job already scales well."""
+        n = plain.world_size
+        found = self.prescriptions(n)
+        if plain.efficiency >= _GOOD or not found:
+            return []
+
+        def speed(p: ScalingPrediction) -> str:
+            return _range_text(p.speedup, p.speedup_low, p.speedup_high, ".2f", "x")
+
+        lines = [
+            f"What each change is predicted to give on {n} ranks (samples/s against one process at this "
+            f"batch; as it is: {speed(plain)}):"
+        ]
+        width = max(len(p.change) for p in found)
+        lines.extend(f"  {p.change:<{width}}  {speed(p.prediction)}  {p.setting}" for p in found)
+        best = self.prescribed(n)
+        if best is None:
+            lines.append(
+                f"No change is predicted to beat the job as it is on {n} ranks beyond the measurement's "
+                f"spread: measure longer (min_time_s) or on a quieter machine, or use fewer ranks."
+            )
+            return lines
+        pays = _pays(best.prediction.speedup, n)
+        verdict = f"which makes {n} ranks worth their cost" if pays else f"though {n} ranks still pay poorly"
+        lines.append(
+            f"Prescription for {n} ranks: {best.change}: {best.setting}. Predicted {speed(best.prediction)} "
+            f"against {speed(plain)} as it is, {verdict}. What it costs: {best.cost}."
+        )
+        return lines
+
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dictionary of every field, with ``ratio`` added."""
+        """A JSON-ready dictionary of every field, with ``ratio``, ``prescriptions`` (for the largest
+        predicted world size) and ``prescribed`` (the prescribed change's name, or ``None``) added."""
         out = asdict(self)
         out["ratio"] = self.ratio
+        out["prescriptions"] = [asdict(p) for p in self.prescriptions()]
+        prescribed = self.prescribed()
+        out["prescribed"] = None if prescribed is None else prescribed.name
         return out
 
 

@@ -14,6 +14,7 @@ Both time a training step with :func:`train_step`, run their parts in interleave
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -230,70 +231,105 @@ class GradientClone(nn.Module):
         return torch.stack([w.sum().float() for w in self.weights]).sum()
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One way DDP could reduce the gradients, measured beside the plain one.
+
+    Attributes:
+        ddp_kwargs: Extra keyword arguments of ``DistributedDataParallel`` (``bucket_cap_mb``).
+        comm_hook: A name ``DDPStrategy(comm_hook=...)`` takes, or ``None``.
+        powersgd_rank: PowerSGD's matrix approximation rank, for ``comm_hook="powersgd"``.
+    """
+
+    ddp_kwargs: Mapping[str, Any]
+    comm_hook: str | None = None
+    powersgd_rank: int = 1
+
+
+# PowerSGD compresses from this reduction on: the calibration runs of every part (3) come first,
+# so the measured steps are compressed ones (torch needs at least 2: DDP rebuilds its buckets).
+_POWERSGD_START = 2
+
+
 class StepSplit:
     """The parts that split a data-parallel step into compute and communication, on this rank.
 
-    Collective: built and measured on every rank of the current group. ``step`` is the model's own
-    training step without DDP, returning its seconds; without it only communication is measured.
+    Collective: built and measured on every rank of the current group. ``steps`` are training
+    steps without DDP, by name, each returning its seconds (the model's own step is ``"compute"``);
+    each is measured in lockstep on every rank. ``variants`` are other ways of reducing the same
+    gradients (compression, bucket size), each measured through its own DDP wrapper as
+    ``comm_<name>``, through the code the Trainer runs for them.
     """
 
     def __init__(
         self,
         layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
         device: torch.device,
-        step: Callable[[], float] | None = None,
+        steps: Mapping[str, Callable[[], float]] | None = None,
+        variants: Mapping[str, Variant] | None = None,
     ) -> None:
         self.device = device
-        self.step = step
+        self.steps = dict(steps or {})
         self.plain = GradientClone(layout, device)
         # No device_ids: the module is already on its device, and with them DDP's forward indexes
         # the moved inputs, which a forward without inputs does not have (IndexError, torch 2.11).
         self.ddp = nn.parallel.DistributedDataParallel(GradientClone(layout, device))
+        self.variants = {name: self._wrap(layout, variant) for name, variant in (variants or {}).items()}
         self.tiny = torch.zeros(1, device=device)
         self.group = None if device.type == "cuda" else runtime._cpu_group()
 
-    def _lockstep(self) -> tuple[float, float]:
+    def _wrap(
+        self, layout: Sequence[tuple[tuple[int, ...], torch.dtype]], variant: Variant
+    ) -> nn.parallel.DistributedDataParallel:
+        # The Trainer's own hooks (DDPStrategy(comm_hook=...)), so that what is measured is what
+        # the prescription asks for. Imported here: only the advisor's options need them.
+        from distkit.trainer.strategies import _comm
+
+        ddp = nn.parallel.DistributedDataParallel(GradientClone(layout, self.device), **variant.ddp_kwargs)
+        powersgd = None
+        if variant.comm_hook == "powersgd":
+            powersgd = _comm.PowerSGD(rank=variant.powersgd_rank, warmup_steps=_POWERSGD_START)
+        _comm.register(ddp, variant.comm_hook, powersgd)
+        return ddp
+
+    def _lockstep(self, step: Callable[[], float]) -> tuple[float, float]:
         # Synchronous data parallelism waits for the slowest rank at every step; the tiny
         # all-reduce makes this loop wait the same way. Beyond its own latency, its time is that wait.
-        assert self.step is not None  # only a part when a step was given
-        step_s = self.step()
+        step_s = step()
         start = time.perf_counter()
         dist.all_reduce(self.tiny, group=self.group)
         sync(self.device)
         return step_s, time.perf_counter() - start
 
-    def _ddp_step(self) -> None:
-        self.ddp.zero_grad(set_to_none=True)
-        self.ddp().backward()
-
-    def _plain_step(self) -> None:
-        self.plain.zero_grad(set_to_none=True)
-        self.plain().backward()
+    @staticmethod
+    def _backward(module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        module().backward()
 
     def parts(self) -> dict[str, Callable[[], Any]]:
-        """The parts to measure: ``compute`` (with a step), ``comm_ddp``, ``comm_plain``, ``latency``."""
+        """The parts to measure: each step (``compute``, ...), ``comm_ddp``, ``comm_plain``, each
+        variant's ``comm_<name>``, and ``latency``."""
         parts: dict[str, Callable[[], Any]] = {}
-        if self.step is not None:
-            parts["compute"] = self._lockstep
-        parts["comm_ddp"] = timed(self._ddp_step, self.device)
-        parts["comm_plain"] = timed(self._plain_step, self.device)
+        for name, step in self.steps.items():
+            parts[name] = functools.partial(self._lockstep, step)
+        parts["comm_ddp"] = timed(functools.partial(self._backward, self.ddp), self.device)
+        parts["comm_plain"] = timed(functools.partial(self._backward, self.plain), self.device)
+        for name, ddp in self.variants.items():
+            parts[f"comm_{name}"] = timed(functools.partial(self._backward, ddp), self.device)
         parts["latency"] = timed(lambda: dist.all_reduce(self.tiny, group=self.group), self.device)
         return parts
 
-    @staticmethod
-    def summarize(records: Mapping[str, list[list[Any]]]) -> dict[str, Timing]:
-        """``comm`` (DDP's step minus the plain one), ``latency`` and, when measured, ``compute``."""
+    def summarize(self, records: Mapping[str, list[list[Any]]]) -> dict[str, Timing]:
+        """``comm`` (DDP's step minus the plain one), each variant's ``comm_<name>`` (the same),
+        ``latency``, and each step's lockstep time."""
         latency = Timing.of(records["latency"])
-        out = {
-            "latency": latency,
-            "comm": Timing.of(records["comm_ddp"]).minus(Timing.of(records["comm_plain"])),
-        }
-        if "compute" in records:
-            out["compute"] = Timing.of(
-                [
-                    [step + max(0.0, wait - latency.value) for step, wait in block]
-                    for block in records["compute"]
-                ]
+        plain = Timing.of(records["comm_plain"])
+        out = {"latency": latency, "comm": Timing.of(records["comm_ddp"]).minus(plain)}
+        for name in self.variants:
+            out[f"comm_{name}"] = Timing.of(records[f"comm_{name}"]).minus(plain)
+        for name in self.steps:
+            out[name] = Timing.of(
+                [[step + max(0.0, wait - latency.value) for step, wait in block] for block in records[name]]
             )
         return out
 

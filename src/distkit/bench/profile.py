@@ -12,8 +12,8 @@ import contextlib
 import math
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,12 +22,26 @@ from torch import nn
 
 from distkit import runtime
 from distkit.bench import _load, _spawn, _timing
-from distkit.bench._prediction import CommProfile, ScalingPrediction, ScalingProfile, _estimate_buckets
-from distkit.bench._timing import Timing
+from distkit.bench._prediction import (
+    CommOption,
+    CommProfile,
+    Prescription,
+    ScalingPrediction,
+    ScalingProfile,
+    _estimate_buckets,
+)
+from distkit.bench._timing import Timing, Variant
 from distkit.bench.workloads import LossFn, batch_size_of, default_loss, to_device
 from distkit.errors import DistkitError
 
-__all__ = ["CommProfile", "ScalingPrediction", "ScalingProfile", "profile_scaling"]
+__all__ = [
+    "CommOption",
+    "CommProfile",
+    "Prescription",
+    "ScalingPrediction",
+    "ScalingProfile",
+    "profile_scaling",
+]
 
 
 @contextlib.contextmanager
@@ -49,9 +63,86 @@ def _step_parts(records: dict[str, list[list[Any]]], name: str) -> dict[str, Tim
     }
 
 
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A DDP option the advisor measures: how, and how its prescription reads."""
+
+    variant: Variant
+    change: str
+    setting: str
+    cost: str
+    exact: bool = False
+
+
+def _options(grad_bytes: int) -> dict[str, _Option]:
+    """The DDP options worth measuring for gradients of ``grad_bytes``."""
+    options = {
+        "fp16": _Option(
+            Variant({}, "fp16"),
+            "compress gradients to float16",
+            'DDPStrategy(comm_hook="fp16")',
+            "gradients are rounded to float16 for the sum (about 3 significant digits; a value beyond "
+            "65504 overflows to inf, which clipping by norm or the fp16 scaler catches)",
+        ),
+        "bf16": _Option(
+            Variant({}, "bf16"),
+            "compress gradients to bfloat16",
+            'DDPStrategy(comm_hook="bf16")',
+            "gradients are rounded to bfloat16 for the sum (2 to 3 significant digits, float32's range)",
+        ),
+        "powersgd": _Option(
+            Variant({}, "powersgd", powersgd_rank=1),
+            "PowerSGD, rank 1",
+            'DDPStrategy(comm_hook="powersgd", powersgd_rank=1)',
+            "each weight matrix's gradient is sent as a rank-1 approximation with error feedback, "
+            "which slows convergence on some models (try powersgd_rank=2 or 4); the first "
+            "powersgd_warmup_steps steps (1000 by default) reduce plainly",
+        ),
+    }
+    # DDP's first bucket holds 1 MiB, the others 25: with more than two, one bucket for the rest
+    # saves an all-reduce call per extra bucket (a latency each); with two or fewer it changes nothing.
+    if _estimate_buckets(grad_bytes) > 2:
+        cap = math.ceil(grad_bytes / _MIB)
+        options["bucket"] = _Option(
+            Variant({"bucket_cap_mb": cap}),
+            f"buckets of {cap} MiB (all after DDP's first in one)",
+            f"DDPStrategy(bucket_cap_mb={cap})",
+            "none: the same sums in fewer all-reduce calls (on GPUs, with less of the backward pass to "
+            "hide them behind)",
+            exact=True,
+        )
+    return options
+
+
+def _option(name: str, option: _Option, comm: CommProfile) -> CommOption:
+    return CommOption(name, option.change, option.setting, option.cost, option.exact, comm)
+
+
+def _doubled(batch: Any, size: int | None) -> Any:
+    """``batch`` with every tensor of ``size`` rows stacked on itself (twice the batch); ``None``
+    when it holds no such tensor."""
+    if size is None:
+        return None
+
+    def double(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            return torch.cat([item, item]) if item.dim() and item.shape[0] == size else item
+        if isinstance(item, dict):
+            return {key: double(value) for key, value in item.items()}
+        if isinstance(item, (tuple, list)):
+            return type(item)(double(value) for value in item)
+        return item
+
+    return double(batch)
+
+
 def _measure_compute(
     model: nn.Module,
     batch: Any,
+    double: Any | None,
     compute_loss: LossFn,
     optimizer: torch.optim.Optimizer | None,
     steps: int,
@@ -59,20 +150,29 @@ def _measure_compute(
     min_time_s: float,
     device: torch.device,
 ) -> dict[str, Timing]:
-    """``step``, ``forward`` and ``backward`` of a training step in this process."""
+    """``step``, ``forward`` and ``backward`` of a training step in this process; with a ``double``
+    batch also ``double`` (its step), alternating with the other."""
+    parts: dict[str, Callable[[], Any]] = {
+        "alone": lambda: _timing.train_step(model, batch, compute_loss, optimizer, device, split=True)
+    }
+    if double is not None:
+        parts["double"] = lambda: _timing.train_step(model, double, compute_loss, optimizer, device)[0]
     records = _timing.measure_blocks(
-        {"alone": lambda: _timing.train_step(model, batch, compute_loss, optimizer, device, split=True)},
-        steps=steps,
-        warmup_steps=warmup_steps,
-        min_time_s=min_time_s,
-        device=device,
+        parts, steps=steps, warmup_steps=warmup_steps, min_time_s=min_time_s, device=device
     )
     model.zero_grad(set_to_none=True)
-    return _step_parts(records, "alone")
+    out = _step_parts(records, "alone")
+    if double is not None:
+        out["double"] = Timing.of(records["double"])
+    return out
 
 
 def _pack_task(
-    model: nn.Module, batch: Any, compute_loss: LossFn, optimizer: torch.optim.Optimizer | None
+    model: nn.Module,
+    batch: Any,
+    double: Any | None,
+    compute_loss: LossFn,
+    optimizer: torch.optim.Optimizer | None,
 ) -> bytes | None:
     """The model's training step, pickled for the spawned ranks; ``None`` if it cannot travel.
 
@@ -83,13 +183,15 @@ def _pack_task(
     constructor refuses (AdamW's ``decoupled_weight_decay``) and loses the groups.
     """
     try:
-        return pickle.dumps((model, batch, compute_loss, optimizer))
+        return pickle.dumps((model, batch, double, compute_loss, optimizer))
     except (pickle.PicklingError, AttributeError, TypeError):
         # A lambda loss or a module holding a lock: measure compute here only.
         return None
 
 
-def _unpack_task(payload: bytes) -> tuple[nn.Module, Any, LossFn, torch.optim.Optimizer | None] | None:
+def _unpack_task(
+    payload: bytes,
+) -> tuple[nn.Module, Any, Any | None, LossFn, torch.optim.Optimizer | None] | None:
     try:
         return pickle.loads(payload)  # type: ignore[no-any-return]
     except (AttributeError, ImportError, pickle.UnpicklingError):
@@ -119,20 +221,22 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
 def _profile_rank(
     layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
     task: bytes | None,
+    variants: Mapping[str, Variant],
     steps: int,
     warmup_steps: int,
     min_time_s: float,
 ) -> dict[str, Timing]:
-    """On this rank of the current group: DDP's communication for ``layout``; with a task (the
-    pickled model, batch, loss and optimizer) also its compute in lockstep on every rank, and
-    (``alone_*``, rank 0's) alone while the other ranks wait. All parts alternate block by block,
-    so a change in machine load hits every part alike."""
+    """On this rank of the current group: DDP's communication for ``layout``, plainly and with each
+    of ``variants`` (``comm_<name>``); with a task (the pickled model, batch, doubled batch or
+    ``None``, loss and optimizer) also its compute in lockstep on every rank (``compute``, and
+    ``double`` at twice the batch), and (``alone_*``, rank 0's) alone while the other ranks wait.
+    All parts alternate block by block, so a change in machine load hits every part alike."""
     device = runtime.get_device()
     unpacked = None if task is None else _unpack_task(task)
-    own_step: Callable[[], float] | None = None
+    own_steps: dict[str, Callable[[], float]] = {}
     parts: dict[str, Any] = {}
     if unpacked is not None:
-        model, batch, loss_fn, optimizer = unpacked
+        model, batch, double, loss_fn, optimizer = unpacked
         model = model.to(device)
         batch = to_device(batch, device)
         is_main = runtime.get_rank() == 0
@@ -143,11 +247,14 @@ def _profile_rank(
                 return None
             return _timing.train_step(model, batch, loss_fn, optimizer, device, split=True)
 
-        def own_step() -> float:
-            return _timing.train_step(model, batch, loss_fn, optimizer, device)[0]
+        def own_step(batch: Any) -> Callable[[], float]:
+            return lambda: _timing.train_step(model, batch, loss_fn, optimizer, device)[0]
 
         parts["alone"] = alone
-    split = _timing.StepSplit(layout, device, step=own_step)
+        own_steps["compute"] = own_step(batch)
+        if double is not None:
+            own_steps["double"] = own_step(to_device(double, device))
+    split = _timing.StepSplit(layout, device, steps=own_steps, variants=variants)
     parts.update(split.parts())
     records = _timing.measure_blocks(
         parts,
@@ -163,12 +270,15 @@ def _profile_rank(
     return result
 
 
-def _comm_from_bandwidth(grad_bytes: int, bandwidth_gbps: float, latency_us: float) -> CommProfile:
+def _comm_from_bandwidth(
+    grad_bytes: int, bandwidth_gbps: float, latency_us: float, *, wire_bytes: int | None = None
+) -> CommProfile:
     # Expressed as if measured at 2 ranks: a ring of 2 makes 2 latency-bound steps and moves the
-    # buffer once per rank.
+    # buffer once per rank (``wire_bytes`` of it when compressed: DDP's buckets stay float32).
     num_buckets = _estimate_buckets(grad_bytes)
     latency_s = 2 * latency_us * 1e-6
-    step_s = num_buckets * latency_s + grad_bytes / (bandwidth_gbps * 1e9 / 8)
+    sent = grad_bytes if wire_bytes is None else wire_bytes
+    step_s = num_buckets * latency_s + sent / (bandwidth_gbps * 1e9 / 8)
     return CommProfile(2, "model", grad_bytes, num_buckets, step_s, latency_s, "bandwidth model")
 
 
@@ -176,6 +286,7 @@ def _measure_ranks(
     layout: list[tuple[tuple[int, ...], torch.dtype]],
     grad_bytes: int,
     task: bytes | None,
+    variants: Mapping[str, Variant],
     *,
     device: torch.device,
     comm_world_size: int,
@@ -192,7 +303,9 @@ def _measure_ranks(
     if runtime.get_world_size() > 1:
         # Inside a job: measure with the job's own group, at its world size, on every rank.
         runtime._require_runtime("profile_scaling() in a multi-process job")
-        measured = _timing.reduce_slowest(_profile_rank(layout, None, steps, warmup_steps, min_time_s))
+        measured = _timing.reduce_slowest(
+            _profile_rank(layout, None, variants, steps, warmup_steps, min_time_s)
+        )
         world_size, used_backend = runtime.get_world_size(), str(dist.get_backend())
     else:
         used_backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -209,7 +322,7 @@ def _measure_ranks(
             # As distkit bench does: what other processes take of the machine while ranks measure.
             meter = _load.LoadMeter(lambda: group.pids)
             meter.start()
-            results = group.run(_profile_rank, (layout, task, steps, warmup_steps, min_time_s))
+            results = group.run(_profile_rank, (layout, task, variants, steps, warmup_steps, min_time_s))
             load = meter.stop()
         # The group runs at the pace of its slowest rank; "alone" is rank 0's only.
         shared = [key for key in results[0] if all(key in r for r in results)]
@@ -225,19 +338,25 @@ def _measure_ranks(
             RuntimeWarning,
             stacklevel=3,
         )
-    comm = measured["comm"]
-    profile = CommProfile(
+    return _measured_comm(measured, "comm", world_size, used_backend, grad_bytes), measured, load
+
+
+def _measured_comm(
+    measured: Mapping[str, Timing], key: str, world_size: int, backend: str, grad_bytes: int, buckets: int = 0
+) -> CommProfile:
+    """The CommProfile of ``measured[key]`` (``buckets``: DDP's, when not its default layout)."""
+    comm = measured[key]
+    return CommProfile(
         world_size,
-        used_backend,
+        backend,
         grad_bytes,
-        _estimate_buckets(grad_bytes),
+        buckets or _estimate_buckets(grad_bytes),
         comm.value,
         measured["latency"].value,
         "measured",
         step_low=comm.low,
         step_high=comm.high,
     )
-    return profile, measured, load
 
 
 def _check_count(name: str, value: int, low: int) -> None:
@@ -262,6 +381,8 @@ def profile_scaling(
     bandwidth_gbps: float | None = None,
     latency_us: float = 10.0,
     comm: CommProfile | None = None,
+    options: bool = True,
+    comm_options: Sequence[CommOption] | None = None,
     timeout_s: float = 300.0,
 ) -> ScalingProfile:
     """Measure this model's compute and gradient communication, and predict N data-parallel ranks.
@@ -314,6 +435,14 @@ def profile_scaling(
         comm: Reuse an earlier measurement (``profile.comm``) of the same model, e.g. for another
             batch size: communication does not depend on it. Nothing is spawned then, so
             ``rank_compute_s`` is ``compute_s``.
+        options: Also measure what the prescription weighs (:meth:`ScalingProfile.prescriptions`):
+            the communication with each DDP option (gradients compressed to float16 and to
+            bfloat16, PowerSGD of rank 1, and one large bucket when DDP would use more than two),
+            through the hooks ``DDPStrategy(comm_hook=...)`` registers, and the step at twice the
+            batch per rank. Each is one more part of the interleaved measurement (``min_time_s``
+            more each) and holds one more copy of the model's gradients on each rank. With a
+            bandwidth model the compressed options are half the bytes, and PowerSGD is left out.
+        comm_options: With ``comm``, reuse its options too (``profile.comm_options``).
         timeout_s: Deadline for the spawned ranks, in seconds.
 
     Returns:
@@ -368,7 +497,9 @@ def profile_scaling(
     # Ranks spawned on this machine share its CPU cores with each other: a CPU model's compute is
     # timed on them, alone and all at once.
     spawn = comm is None and bandwidth_gbps is None and not in_job
-    task = _pack_task(model, batch, loss_fn, optimizer) if spawn and cpu else None
+    double = _doubled(batch, batch_size_of(batch)) if options else None
+    task = _pack_task(model, batch, double, loss_fn, optimizer) if spawn and cpu else None
+    chosen = _options(grad_bytes) if options else {}
     cores = _load.usable_cores()
     if task is not None and comm_world_size * (threads or 1) > cores:
         warnings.warn(
@@ -381,13 +512,25 @@ def profile_scaling(
 
     measured: dict[str, Timing] = {}
     load = math.nan
+    found: Sequence[CommOption] = comm_options or ()
     if comm is None and bandwidth_gbps is not None:
         comm = _comm_from_bandwidth(grad_bytes, bandwidth_gbps, latency_us)
+        # Half the bytes on the wire; PowerSGD's work and bytes depend on the shapes: not modelled.
+        found = [
+            _option(
+                name,
+                option,
+                _comm_from_bandwidth(grad_bytes, bandwidth_gbps, latency_us, wire_bytes=grad_bytes // 2),
+            )
+            for name, option in chosen.items()
+            if name in ("fp16", "bf16")
+        ]
     elif comm is None:
         comm, measured, load = _measure_ranks(
             layout,
             grad_bytes,
             task,
+            {name: option.variant for name, option in chosen.items()},
             device=device,
             comm_world_size=comm_world_size,
             backend=backend,
@@ -402,12 +545,29 @@ def profile_scaling(
     else:
         with _torch_threads(threads if cpu else None):
             alone = _measure_compute(
-                model, batch, loss_fn, optimizer, steps, warmup_steps, min_time_s, device
+                model, batch, double, loss_fn, optimizer, steps, warmup_steps, min_time_s, device
             )
         if in_job:
             # Every rank timed its compute at the same time; the job runs at its slowest rank's pace.
             alone = _timing.reduce_slowest(alone)
     rank_compute = measured.get("compute", alone["step"])
+    doubled = measured.get("double", alone.get("double"))
+    if measured:
+        found = [
+            _option(
+                name,
+                option,
+                _measured_comm(
+                    measured,
+                    f"comm_{name}",
+                    comm.world_size,
+                    comm.backend,
+                    grad_bytes,
+                    2 if name == "bucket" else 0,
+                ),
+            )
+            for name, option in chosen.items()
+        ]
     profile = ScalingProfile(
         batch_size=batch_size_of(sample_batch),
         compute_s=alone["step"].value,
@@ -424,6 +584,10 @@ def profile_scaling(
         rank_compute_low=rank_compute.low,
         rank_compute_high=rank_compute.high,
         load=load,
+        comm_options=tuple(found),
+        double_batch_s=math.nan if doubled is None else doubled.value,
+        double_batch_low=math.nan if doubled is None else doubled.low,
+        double_batch_high=math.nan if doubled is None else doubled.high,
     )
     predictions = tuple(profile.predict(n) for n in sorted(set(world_sizes)))
     return replace(profile, predictions=predictions)
