@@ -242,6 +242,9 @@ class ScalingProfile:
             a batch that holds no tensor to double).
         double_batch_low: Its interval's lower end.
         double_batch_high: Its upper end.
+        rank_wait_s: The part of ``rank_compute_s`` spent waiting for the slowest rank (0 where
+            ``rank_compute_s`` is ``compute_s``). It comes once per all-reduce, so accumulation
+            divides it as it divides the communication.
 
     Example:
         >>> profile = distkit.profile_scaling(model, batch)  # doctest: +SKIP
@@ -269,6 +272,7 @@ class ScalingProfile:
     double_batch_s: float = math.nan
     double_batch_low: float = math.nan
     double_batch_high: float = math.nan
+    rank_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -297,7 +301,8 @@ class ScalingProfile:
         ``rank_compute_s + comm(N)`` per step without overlap; with overlap only communication
         that outlasts the backward pass counts: ``rank_compute_s + max(0, comm(N) - backward_s)``.
         With ``accumulate=k`` (gradient accumulation under DDP's ``no_sync()``) the all-reduce
-        runs once per ``k`` batches, so each batch carries ``comm(N) / k``. Ranks beyond
+        runs once per ``k`` batches, so each batch carries ``comm(N) / k``, and the ranks wait for
+        the slowest one once per ``k`` batches (``rank_wait_s / k``). Ranks beyond
         ``comm.world_size`` are assumed to compute as fast as the measured ones (their own cores
         or GPUs). The interval combines every part's interval in the least and the most favourable
         way.
@@ -308,7 +313,16 @@ class ScalingProfile:
             rate = self.batch_size / self.compute_s if self.batch_size else math.nan
             return ScalingPrediction(1, self.compute_s, 0.0, 1.0, 1.0, rate)
         compute = (self.rank_compute_s, self.rank_compute_low, self.rank_compute_high)
-        return self._forecast(world_size, self.comm, compute, accumulate=accumulate)
+        return self._forecast(
+            world_size, self.comm, self._accumulated(compute, accumulate), accumulate=accumulate
+        )
+
+    def _accumulated(
+        self, compute: tuple[float, float, float], accumulate: int
+    ) -> tuple[float, float, float]:
+        """A rank's compute per batch when it waits for the slowest rank once per ``accumulate`` batches."""
+        saved = self.rank_wait_s * (1 - 1 / accumulate)
+        return (compute[0] - saved, compute[1] - saved, compute[2] - saved)
 
     def _forecast(
         self,
@@ -369,7 +383,7 @@ class ScalingProfile:
                 f"each optimizer step then sees {_ACCUMULATE}x the samples: retune the learning rate, or "
                 f"divide the batch per rank by {_ACCUMULATE} to keep the optimizer's batch",
                 False,
-                self._forecast(n, self.comm, compute, accumulate=_ACCUMULATE),
+                self._forecast(n, self.comm, self._accumulated(compute, _ACCUMULATE), accumulate=_ACCUMULATE),
             )
         )
         if not math.isnan(self.double_batch_s):

@@ -321,15 +321,21 @@ class StepSplit:
 
     def summarize(self, records: Mapping[str, list[list[Any]]]) -> dict[str, Timing]:
         """``comm`` (DDP's step minus the plain one), each variant's ``comm_<name>`` (the same),
-        ``latency``, and each step's lockstep time."""
+        ``latency``, each step's lockstep time, and ``<step>_wait``, the part of it spent waiting
+        for the slowest rank."""
         latency = Timing.of(records["latency"])
         plain = Timing.of(records["comm_plain"])
         out = {"latency": latency, "comm": Timing.of(records["comm_ddp"]).minus(plain)}
         for name in self.variants:
             out[f"comm_{name}"] = Timing.of(records[f"comm_{name}"]).minus(plain)
         for name in self.steps:
+            waits = [[max(0.0, wait - latency.value) for _, wait in block] for block in records[name]]
+            out[f"{name}_wait"] = Timing.of(waits)
             out[name] = Timing.of(
-                [[step + max(0.0, wait - latency.value) for step, wait in block] for block in records[name]]
+                [
+                    [step + w for (step, _), w in zip(block, wait, strict=True)]
+                    for block, wait in zip(records[name], waits, strict=True)
+                ]
             )
         return out
 

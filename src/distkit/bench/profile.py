@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import statistics
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -328,6 +329,10 @@ def _measure_ranks(
         shared = [key for key in results[0] if all(key in r for r in results)]
         measured = {key: Timing.slowest([r[key] for r in results]) for key in shared}
         measured.update({key: value for key, value in results[0].items() if key.startswith("alone_")})
+        if "compute_wait" in measured:
+            # The ranks' mean wait: the slowest rank hardly waits, the others wait for it.
+            waits = [r["compute_wait"].value for r in results]
+            measured["compute_wait"] = Timing(statistics.fmean(waits), statistics.fmean(waits), ())
         world_size = comm_world_size
     if task is not None and "compute" not in measured:
         warnings.warn(
@@ -585,6 +590,7 @@ def profile_scaling(
         rank_compute_high=rank_compute.high,
         load=load,
         comm_options=tuple(found),
+        rank_wait_s=measured["compute_wait"].value if "compute_wait" in measured else 0.0,
         double_batch_s=math.nan if doubled is None else doubled.value,
         double_batch_low=math.nan if doubled is None else doubled.low,
         double_batch_high=math.nan if doubled is None else doubled.high,
