@@ -232,7 +232,8 @@ def main() -> int:
     low, mid, high = _quartiles(gain)
     faster = low > aa_high
     print(
-        f"prescribed, {prescribed.change} / as it is: {mid:.3f} [quartiles {low:.3f}-{high:.3f}]: "
+        f"prescribed, {prescribed.change} / as it is: {mid:.3f} [quartiles {low:.3f}-{high:.3f}] "
+        f"(predicted {prescribed.gain:.2f} [{prescribed.gain_low:.2f}-{prescribed.gain_high:.2f}]): "
         + ("faster beyond the A/A noise" if faster else "NOT faster beyond the A/A noise")
     )
     worst = max(errors, key=lambda n: abs(errors[n]))

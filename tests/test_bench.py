@@ -909,7 +909,8 @@ def test_each_change_is_predicted_from_its_own_measurement_and_the_fastest_clear
     assert "  change powersgd  " in text and "Trainer(accumulate_grad_batches=4)" in text
     assert text.splitlines()[-1] == (
         "Prescription for 2 ranks: change powersgd: setting powersgd. Predicted 1.67x against 1.00x as it "
-        "is, which makes 2 ranks worth their cost. What it costs: cost powersgd."
+        "is (1.67x its samples/s, 1.67-1.67 over the blocks), which makes 2 ranks worth their cost. What it "
+        "costs: cost powersgd."
     )
     assert profile.as_dict()["prescribed"] == "powersgd"
     assert profile.as_dict()["prescriptions"][0]["name"] == "powersgd"
@@ -929,7 +930,10 @@ def test_nothing_is_prescribed_inside_the_spread_for_a_job_that_scales_or_on_a_l
     # Every change's interval overlaps the job's as it is: the report says it cannot tell.
     wide = _weighed(10.0, 3.0, {"fp16": 2.5}, spread=0.3)
     assert wide.prescribed(2) is None
-    assert "No change is predicted to beat the job as it is on 2 ranks beyond" in wide.recommendation()
+    assert (
+        "No change is predicted faster than the job as it is on 2 ranks in every block"
+        in wide.recommendation()
+    )
     # 91 % efficient: nothing to change, and no table of changes.
     scales = _weighed(100.0, 10.0, {"powersgd": 1.0})
     assert scales.prescribed(2) is None and "What each change" not in scales.recommendation()
@@ -946,3 +950,34 @@ def test_accumulation_waits_for_the_slowest_rank_once_per_all_reduce() -> None:
     profile = dataclasses.replace(_weighed(10.0, 10.0, {}), rank_wait_s=0.002)
     assert profile.predict(2, accumulate=4).step_s == pytest.approx(0.0085 + 0.0025)
     assert profile.predict(2).step_s == pytest.approx(0.020)
+
+
+def _blocks(
+    profile: ScalingProfile, compute_ms: list[float], comm_ms: list[float], fp16_ms: list[float]
+) -> ScalingProfile:
+    """``profile`` with its compute, communication and fp16 option measured in the given blocks."""
+    (option,) = profile.comm_options
+    fp16 = dataclasses.replace(option.comm, step_blocks=tuple(ms / 1e3 for ms in fp16_ms))
+    return dataclasses.replace(
+        profile,
+        comm=dataclasses.replace(profile.comm, step_blocks=tuple(ms / 1e3 for ms in comm_ms)),
+        rank_compute_blocks=tuple(ms / 1e3 for ms in compute_ms),
+        comm_options=(dataclasses.replace(option, comm=fp16),),
+    )
+
+
+def test_a_change_is_weighed_against_the_job_block_by_block() -> None:
+    # Load came and went: compute ranged over +-30 %, so the two speedup intervals overlap, but in
+    # every block the fp16 option communicated faster than the plain all-reduce measured beside it.
+    base = _weighed(10.0, 6.0, {"fp16": 4.0}, spread=0.3)
+    fp16 = next(p for p in base.prescriptions(2) if p.name == "fp16")
+    assert fp16.prediction.speedup_low < base.predict(2).speedup_high  # unpaired: cannot tell
+    assert base.prescribed(2) is None
+    paired = _blocks(base, [7.0, 10.0, 13.0, 10.0, 9.0], [4.5, 6.0, 7.5, 6.0, 5.5], [3.0, 4.0, 5.0, 4.0, 3.5])
+    fp16 = next(p for p in paired.prescriptions(2) if p.name == "fp16")
+    # Block by block: (7 + 4.5) / (7 + 3) = 1.15 ... (10 + 6) / (10 + 4) = 1.14 ... (13 + 7.5) / 18 = 1.14.
+    assert fp16.gain_low == pytest.approx(min(11.5 / 10, 16 / 14, 20.5 / 18, 14.5 / 12.5))
+    assert fp16.gain_low > 1
+    # One block where the option was slower: not faster in every block, so not prescribed.
+    mixed = _blocks(base, [10.0] * 5, [6.0] * 5, [4.0, 4.0, 7.0, 4.0, 4.0])
+    assert next(p for p in mixed.prescriptions(2) if p.name == "fp16").gain_low < 1

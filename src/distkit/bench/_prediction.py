@@ -60,6 +60,8 @@ class CommProfile:
         source: ``"measured"`` or ``"bandwidth model"``.
         step_low: The fastest block's ``step_s`` (the interval's lower end; ``step_s`` if not given).
         step_high: The slowest block's.
+        step_blocks: Each block's median, in the order measured (empty for a bandwidth model):
+            blocks of parts measured together are paired by their position.
 
     Example:
         >>> comm = CommProfile(2, "gloo", 4_000_000, 1, 0.004, 0.0002, "measured")
@@ -76,6 +78,7 @@ class CommProfile:
     source: str
     step_low: float = math.nan
     step_high: float = math.nan
+    step_blocks: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_low", _fill(self.step_low, self.step_s))
@@ -184,6 +187,13 @@ class Prescription:
         prediction: The predicted speed on ``prediction.world_size`` ranks with the change. Its
             ``speedup`` is samples per second against one process as the job is now (the batch
             you profiled, no DDP), so every change is compared with the same baseline.
+        gain: Samples per second with the change over the job as it is, on the same ranks
+            (1.25: a quarter more).
+        gain_low: The lowest gain of the measurement's blocks. Each block measured the job and the
+            change in the same stretch of time, so load that comes and goes hits both alike and
+            cancels in their ratio; where nothing was measured in blocks (a bandwidth model), the
+            two predictions' intervals at their least favourable ends.
+        gain_high: The highest.
 
     Example:
         >>> best = profile.prescriptions(2)[0]  # doctest: +SKIP
@@ -197,6 +207,9 @@ class Prescription:
     cost: str
     exact: bool
     prediction: ScalingPrediction
+    gain: float
+    gain_low: float
+    gain_high: float
 
 
 def _range_text(value: float, low: float, high: float, fmt: str, unit: str = "") -> str:
@@ -245,6 +258,9 @@ class ScalingProfile:
         rank_wait_s: The part of ``rank_compute_s`` spent waiting for the slowest rank (0 where
             ``rank_compute_s`` is ``compute_s``). It comes once per all-reduce, so accumulation
             divides it as it divides the communication.
+        rank_compute_blocks: ``rank_compute_s`` of each block, when measured in the same blocks as
+            the communication (the spawned ranks); empty otherwise.
+        double_batch_blocks: ``double_batch_s`` of each block, likewise.
 
     Example:
         >>> profile = distkit.profile_scaling(model, batch)  # doctest: +SKIP
@@ -273,6 +289,8 @@ class ScalingProfile:
     double_batch_low: float = math.nan
     double_batch_high: float = math.nan
     rank_wait_s: float = 0.0
+    rank_compute_blocks: tuple[float, ...] = ()
+    double_batch_blocks: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -370,41 +388,100 @@ class ScalingProfile:
         n = world_size or max((p.world_size for p in self.predictions), default=2)
         if n < 2:
             return ()
+        plain = self.predict(n)
+
+        def weigh(
+            name: str,
+            texts: tuple[str, str, str],
+            exact: bool,
+            comm: CommProfile,
+            compute: tuple[float, float, float],
+            blocks: tuple[float, ...],
+            accumulate: int = 1,
+            factor: int = 1,
+        ) -> Prescription:
+            compute = self._accumulated(compute, accumulate)
+            prediction = self._forecast(n, comm, compute, accumulate=accumulate, batch_factor=factor)
+            low, high = self._paired_gain(n, comm, compute[0], blocks, accumulate, factor)
+            if math.isnan(low):
+                low, high = (
+                    prediction.speedup_low / plain.speedup_high,
+                    prediction.speedup_high / plain.speedup_low,
+                )
+            change, setting, cost = texts
+            gain = prediction.speedup / plain.speedup
+            return Prescription(
+                name, change, setting, cost, exact, prediction, gain, min(low, gain), max(high, gain)
+            )
+
         compute = (self.rank_compute_s, self.rank_compute_low, self.rank_compute_high)
+        own = self.rank_compute_blocks
         found = [
-            Prescription(o.name, o.change, o.setting, o.cost, o.exact, self._forecast(n, o.comm, compute))
+            weigh(o.name, (o.change, o.setting, o.cost), o.exact, o.comm, compute, own)
             for o in self.comm_options
         ]
         found.append(
-            Prescription(
+            weigh(
                 "accumulate",
-                f"accumulate {_ACCUMULATE} batches per all-reduce (DDP's no_sync())",
-                f"Trainer(accumulate_grad_batches={_ACCUMULATE})",
-                f"each optimizer step then sees {_ACCUMULATE}x the samples: retune the learning rate, or "
-                f"divide the batch per rank by {_ACCUMULATE} to keep the optimizer's batch",
+                (
+                    f"accumulate {_ACCUMULATE} batches per all-reduce (DDP's no_sync())",
+                    f"Trainer(accumulate_grad_batches={_ACCUMULATE})",
+                    f"each optimizer step then sees {_ACCUMULATE}x the samples: retune the learning rate, "
+                    f"or divide the batch per rank by {_ACCUMULATE} to keep the optimizer's batch",
+                ),
                 False,
-                self._forecast(n, self.comm, self._accumulated(compute, _ACCUMULATE), accumulate=_ACCUMULATE),
+                self.comm,
+                compute,
+                own,
+                accumulate=_ACCUMULATE,
             )
         )
         if not math.isnan(self.double_batch_s):
             batch = f" ({self.batch_size} to {2 * self.batch_size})" if self.batch_size else ""
             found.append(
-                Prescription(
+                weigh(
                     "batch",
-                    f"double the batch per rank{batch}",
-                    "the DataLoader's batch_size" + (f"={2 * self.batch_size}" if self.batch_size else " x2"),
-                    "each optimizer step sees twice the samples (retune the learning rate), and a "
-                    "rank holds twice the activations",
-                    False,
-                    self._forecast(
-                        n,
-                        self.comm,
-                        (self.double_batch_s, self.double_batch_low, self.double_batch_high),
-                        batch_factor=2,
+                    (
+                        f"double the batch per rank{batch}",
+                        "the DataLoader's batch_size"
+                        + (f"={2 * self.batch_size}" if self.batch_size else " x2"),
+                        "each optimizer step sees twice the samples (retune the learning rate), and a "
+                        "rank holds twice the activations",
                     ),
+                    False,
+                    self.comm,
+                    (self.double_batch_s, self.double_batch_low, self.double_batch_high),
+                    self.double_batch_blocks,
+                    factor=2,
                 )
             )
-        return tuple(sorted(found, key=lambda p: -p.prediction.speedup))
+        return tuple(sorted(found, key=lambda p: -p.gain))
+
+    def _paired_gain(
+        self,
+        n: int,
+        comm: CommProfile,
+        compute: float,
+        compute_blocks: tuple[float, ...],
+        accumulate: int,
+        factor: int,
+    ) -> tuple[float, float]:
+        """The lowest and highest gain over the blocks the job and a change were measured in
+        together (``nan`` without blocks): ``factor * step_as_it_is / step_with_the_change`` per block."""
+        count = len(self.comm.step_blocks)
+        if not count or len(comm.step_blocks) != count:
+            return math.nan, math.nan
+        saved = self.rank_wait_s * (1 - 1 / accumulate)
+        gains = []
+        for b in range(count):
+            own = (
+                self.rank_compute_blocks[b] if len(self.rank_compute_blocks) == count else self.rank_compute_s
+            )
+            changed = (compute_blocks[b] - saved) if len(compute_blocks) == count else compute
+            as_is = own + self._exposed(self.comm._scaled(self.comm.step_blocks[b], n))
+            step = changed + self._exposed(comm._scaled(comm.step_blocks[b], n)) / accumulate
+            gains.append(factor * as_is / step)
+        return min(gains), max(gains)
 
     def recommendation(self, *, max_load: float = MAX_LOAD) -> str:
         """A plain-language verdict: will more ranks help, up to how many, and what to change.
@@ -480,9 +557,9 @@ class ScalingProfile:
     def prescribed(self, world_size: int | None = None) -> Prescription | None:
         """The change the advisor prescribes for ``world_size`` ranks (default: the largest predicted).
 
-        A change is prescribed only when its predicted speedup interval lies wholly above the job's
-        as it is (``speedup_low`` above the plain ``speedup_high``); among those the fastest, or an
-        exact one (the same sums: a bucket size) whose interval reaches the fastest one's. Nothing
+        A change is prescribed only when it is predicted faster than the job as it is in every block
+        of the measurement (``gain_low > 1``); among those the fastest, or an exact one (the same
+        sums: a bucket size) whose gain interval reaches the fastest one's. Nothing
         is prescribed when the job already scales well (efficiency 80 % or more) or on one rank.
         Local: arithmetic on the measurements.
 
@@ -492,16 +569,13 @@ class ScalingProfile:
             'Trainer(accumulate_grad_batches=4)'
         """
         n = world_size or max((p.world_size for p in self.predictions), default=2)
-        if n < 2:
+        if n < 2 or self.predict(n).efficiency >= _GOOD:
             return None
-        plain = self.predict(n)
-        if plain.efficiency >= _GOOD:
-            return None
-        clear = [p for p in self.prescriptions(n) if p.prediction.speedup_low > plain.speedup_high]
+        clear = [p for p in self.prescriptions(n) if p.gain_low > 1]
         if not clear:
             return None
         best = clear[0]
-        exact = [p for p in clear if p.exact and p.prediction.speedup_high >= best.prediction.speedup_low]
+        exact = [p for p in clear if p.exact and p.gain_high >= best.gain_low]
         return exact[0] if exact and not best.exact else best
 
     def _prescription_lines(self, plain: ScalingPrediction) -> list[str]:
@@ -516,23 +590,29 @@ class ScalingProfile:
             return _range_text(p.speedup, p.speedup_low, p.speedup_high, ".2f", "x")
 
         lines = [
-            f"What each change is predicted to give on {n} ranks (samples/s against one process at this "
-            f"batch; as it is: {speed(plain)}):"
+            f"What each change is predicted to give on {n} ranks: samples/s against one process at this "
+            f"batch (as it is: {speed(plain)}), and against the job as it is (range over the blocks):"
         ]
         width = max(len(p.change) for p in found)
-        lines.extend(f"  {p.change:<{width}}  {speed(p.prediction)}  {p.setting}" for p in found)
+        lines.extend(
+            f"  {p.change:<{width}}  {speed(p.prediction)}  "
+            f"{_range_text(p.gain, p.gain_low, p.gain_high, '.2f', 'x as it is')}  {p.setting}"
+            for p in found
+        )
         best = self.prescribed(n)
         if best is None:
             lines.append(
-                f"No change is predicted to beat the job as it is on {n} ranks beyond the measurement's "
-                f"spread: measure longer (min_time_s) or on a quieter machine, or use fewer ranks."
+                f"No change is predicted faster than the job as it is on {n} ranks in every block of the "
+                f"measurement: measure longer (min_time_s) or on a quieter machine, or use fewer ranks."
             )
             return lines
         pays = _pays(best.prediction.speedup, n)
         verdict = f"which makes {n} ranks worth their cost" if pays else f"though {n} ranks still pay poorly"
         lines.append(
             f"Prescription for {n} ranks: {best.change}: {best.setting}. Predicted {speed(best.prediction)} "
-            f"against {speed(plain)} as it is, {verdict}. What it costs: {best.cost}."
+            f"against {speed(plain)} as it is ({best.gain:.2f}x its samples/s, "
+            f"{best.gain_low:.2f}-{best.gain_high:.2f} over the blocks), {verdict}. "
+            f"What it costs: {best.cost}."
         )
         return lines
 

@@ -361,6 +361,7 @@ def _measured_comm(
         "measured",
         step_low=comm.low,
         step_high=comm.high,
+        step_blocks=comm.blocks,
     )
 
 
@@ -591,6 +592,9 @@ def profile_scaling(
         load=load,
         comm_options=tuple(found),
         rank_wait_s=measured["compute_wait"].value if "compute_wait" in measured else 0.0,
+        # Paired with the communication's blocks only when measured with it, in the spawned ranks.
+        rank_compute_blocks=measured["compute"].blocks if "compute" in measured else (),
+        double_batch_blocks=measured["double"].blocks if "double" in measured else (),
         double_batch_s=math.nan if doubled is None else doubled.value,
         double_batch_low=math.nan if doubled is None else doubled.low,
         double_batch_high=math.nan if doubled is None else doubled.high,
