@@ -236,6 +236,19 @@ def test_bench_profile_json_reports_the_ratio_and_predictions(
     assert len(records) == 6
     assert {"ratio", "predicted_speedup", "predicted_speedup_low", "predicted_efficiency"} <= set(records[0])
     assert (out / "predicted_scaling.png").read_bytes()[:8] == PNG_MAGIC
+    # The prescription's options: with a bandwidth model, compression halves the bytes.
+    assert [o["name"] for o in small["comm_options"]] == ["fp16", "bf16"]
+    assert {p["name"] for p in small["prescriptions"]} == {"fp16", "bf16", "accumulate", "batch"}
+    assert "prescribed" in small
+    status = main(
+        [
+            "bench", "--profile", "--model", "small", "--batch-sizes", "8", "--predict", "2",
+            "--steps", "2", "--warmup-steps", "1", "--min-time-s", "0", "--bandwidth-gbps", "10",
+            "--no-prescription", "--out", str(tmp_path / "bare"), "--json", "--no-progress",
+        ]
+    )  # fmt: skip
+    (bare,) = json.loads(capsys.readouterr().out)["profiles"]
+    assert status == 0 and bare["comm_options"] == [] and bare["double_batch_s"] is None
 
 
 def test_bench_reports_a_bad_model_name_as_an_error_line(

@@ -416,6 +416,12 @@ def _parser() -> argparse.ArgumentParser:
     advisor.add_argument(
         "--latency-us", type=float, default=10.0, help="per-hop latency for --bandwidth-gbps (default: 10)"
     )
+    advisor.add_argument(
+        "--no-prescription",
+        action="store_true",
+        help="measure no DDP option and no doubled batch, and prescribe nothing (faster; each option "
+        "holds a stand-in of the model's size on each rank)",
+    )
     bench.set_defaults(func=_cmd_bench)
 
     checkpoint = commands.add_parser(

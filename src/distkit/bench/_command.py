@@ -279,6 +279,7 @@ def run_profile(args: argparse.Namespace, out: Path) -> int:
                 latency_us=args.latency_us,
                 comm=comm,
                 comm_options=comm_options,
+                options=not args.no_prescription,
                 timeout_s=args.timeout_s,
             )
             if cuda:

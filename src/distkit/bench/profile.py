@@ -446,7 +446,8 @@ def profile_scaling(
             bfloat16, PowerSGD of rank 1, and one large bucket when DDP would use more than two),
             through the hooks ``DDPStrategy(comm_hook=...)`` registers, and the step at twice the
             batch per rank. Each is one more part of the interleaved measurement (``min_time_s``
-            more each) and holds one more copy of the model's gradients on each rank. With a
+            more each) and holds the model's size twice more (weights and gradients of a stand-in)
+            on each rank: pass ``options=False`` for a model near the memory limit. With a
             bandwidth model the compressed options are half the bytes, and PowerSGD is left out.
         comm_options: With ``comm``, reuse its options too (``profile.comm_options``).
         timeout_s: Deadline for the spawned ranks, in seconds.
