@@ -81,8 +81,10 @@ class CommProfile:
     step_blocks: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "step_low", _fill(self.step_low, self.step_s))
-        object.__setattr__(self, "step_high", _fill(self.step_high, self.step_s))
+        # A difference of medians (DDP's step minus the plain one) can fall outside the range of the
+        # blocks' differences: the interval is widened to hold the value it is the interval of.
+        object.__setattr__(self, "step_low", min(_fill(self.step_low, self.step_s), self.step_s))
+        object.__setattr__(self, "step_high", max(_fill(self.step_high, self.step_s), self.step_s))
 
     def _scaled(self, step_s: float, world_size: int) -> float:
         if world_size < 1:
