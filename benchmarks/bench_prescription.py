@@ -1,6 +1,7 @@
 """The advisor's prescription against measurement: seed 004's transformer on 2 gloo ranks.
 
-Run by hand (not in CI):  .venv/bin/python benchmarks/bench_prescription.py [--batch 8] [--blocks 15]
+Run by hand (not in CI):  .venv/bin/python benchmarks/bench_prescription.py [--model transformer]
+                          [--batch 8] [--blocks 15]
 
 Seed 004 trained a small transformer text classifier with DDP and found 4 GPUs slower than one:
 its gradient (mostly the token embedding's) took longer to all-reduce than the step took to
@@ -53,7 +54,6 @@ from distkit.bench._load import MAX_LOAD
 from distkit.bench.profile import Prescription, ScalingProfile
 from distkit.bench.workloads import default_loss, load_workload
 
-PRESET = "transformer"
 ONE, PLAIN, AA = "one process", "as it is", "as it is (A/A)"
 # What each prescription's name means for the loop below (profile.py measures the same hooks).
 ACCUMULATE = 4
@@ -77,7 +77,7 @@ def _worker(rank: int, port: int, ways: list[str], bucket_mb: int | None, args: 
     from distkit.trainer.strategies import _comm
 
     distkit.init(backend="gloo")
-    workload = load_workload(PRESET)
+    workload = load_workload(args.model)
     batch = workload.make_batch(args.batch)
     double = tuple(torch.cat([t, t]) for t in batch)
     loss_fn = workload.compute_loss or default_loss
@@ -164,6 +164,9 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default="transformer", help="a distkit bench preset (default: seed 004's shape)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     parser.add_argument("--blocks", type=int, default=15, help="timed blocks per way")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per way per block")
@@ -172,7 +175,7 @@ def main() -> int:
     args = parser.parse_args()
 
     _wait_idle(timeout_s=args.idle_wait_s)
-    workload = load_workload(PRESET)
+    workload = load_workload(args.model)
     model = copy.deepcopy(workload.model)
     profile: ScalingProfile = profile_scaling(
         model,
