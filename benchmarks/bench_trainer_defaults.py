@@ -3,11 +3,16 @@ switched on alone, and with all of them (its real defaults), against a hand-writ
 in the same blocks, with an A/A pair of the hand loop as the noise floor.
 
 Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer_defaults.py [--blocks 10]
+[--setups ddp single fsdp]. benchmarks/bench_trainer_guard.py runs the same measurement for the
+Trainer with all its defaults alone and checks the ratios against the budgets of issue 29.
 
 Workloads: benchmarks/bench_trainer.py's tiny MLP (overhead-bound) and medium MLP (compute-bound),
 each on 2 gloo ranks (DDP; the hand loop is seed 002's DDP loop) and in one process (the hand loop
-without DDP; the Trainer with strategy="single"). The defaults, each switched on alone over a
-Trainer that has them all off:
+without DDP; the Trainer with strategy="single"); and the medium MLP under FSDP2 on 2 gloo ranks:
+the hand loop calls ``fully_shard`` on each Linear and then on the root (not resharded after
+forward), as ``FSDPStrategy(unit_classes=nn.Linear)`` shards it in the Trainer, and both build a
+fresh model and optimizer every block (``fully_shard`` changes the model in place). The defaults,
+each switched on alone over a Trainer that has them all off:
 
 - ``logger=True``: the CSV logger (one reduction of the loss every ``log_every_n_steps``);
 - ``enable_checkpointing=True``: a ModelCheckpoint, whose per-step cost is the time-based check
@@ -72,8 +77,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
 LOOPS = ("hand", "hand (A/A)", *VARIANTS)
 
 
-def _hand_block(module: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, ddp: bool) -> list[Any]:
-    model = DDP(module) if ddp else module
+def _fsdp_model(factory: Any) -> nn.Module:
+    """A fresh seeded model, each Linear a sharding unit and then the root, as
+    ``FSDPStrategy(unit_classes=nn.Linear)`` shards it (distkit.sharding.shard_model)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _seeded(factory)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    # The root is gathered first in backward: not resharded after forward (shard_model's choice).
+    fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def _hand_block(module: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, strategy: str) -> list[Any]:
+    model = DDP(module) if strategy == "ddp" else module
     criterion = nn.CrossEntropyLoss()
     stamps = []
     for data, target in loader:
@@ -91,10 +110,10 @@ def _trainer_block(
     optimizer: torch.optim.Optimizer,
     loader: Any,
     options: dict[str, Any],
-    ddp: bool,
+    strategy: str,
     root: str,
 ) -> list[Any]:
-    from distkit.trainer import Callback, Trainer, TrainerView
+    from distkit.trainer import Callback, FSDPStrategy, Trainer, TrainerView
 
     class Stamps(Callback):
         def __init__(self) -> None:
@@ -106,7 +125,7 @@ def _trainer_block(
     stamps = Stamps()
     settings = {**BARE, **options}
     trainer = Trainer(
-        strategy="ddp" if ddp else "single",
+        strategy=FSDPStrategy(unit_classes=nn.Linear) if strategy == "fsdp" else strategy,
         max_steps=len(loader),
         batch_size=loader.batch_size,
         default_root_dir=tempfile.mkdtemp(dir=root),  # a new run each block (checkpoints, logs)
@@ -118,39 +137,51 @@ def _trainer_block(
     return _per_step(stamps.stamps)
 
 
-def _measure(world_size: int, rank: int, blocks: int) -> dict[str, dict[str, list[list[Any]]]]:
+# What one spawned world measures: strategy ("ddp", "single" or "fsdp"), model names (MODELS),
+# loops (LOOPS), timed blocks, and steps per block (None: the model's own in MODELS).
+Job = tuple[str, tuple[str, ...], tuple[str, ...], int, int | None]
+
+
+def _measure(job: Job, rank: int) -> dict[str, dict[str, list[list[Any]]]]:
     import distkit
 
-    ddp = world_size > 1
+    strategy, names, loops, blocks, steps_per_block = job
+    several = strategy != "single"
     results: dict[str, dict[str, list[list[Any]]]] = {}
     with tempfile.TemporaryDirectory() as root:
-        for name, (factory, features, batch_size, steps) in MODELS.items():
+        for name in names:
+            factory, features, batch_size, steps = MODELS[name]
+            steps = steps_per_block or steps
             loader = _loader(features, batch_size, steps, rank)
-            if not ddp:  # one process: the whole dataset's first `steps` batches, no sampler
+            if not several:  # one process: the whole dataset's first `steps` batches, no sampler
                 loader = torch.utils.data.DataLoader(
                     loader.dataset, batch_size=batch_size, sampler=list(range(batch_size * (steps + 2)))
                 )
-            models = {way: _seeded(factory) for way in LOOPS}
-            optimizers = {way: torch.optim.Adam(models[way].parameters(), lr=1e-3) for way in LOOPS}
-            times: dict[str, list[list[Any]]] = {way: [] for way in LOOPS}
+            # FSDP shards a model in place: every block starts from a fresh one (made in the block).
+            models = {way: _seeded(factory) for way in loops} if strategy != "fsdp" else {}
+            optimizers = {way: torch.optim.Adam(models[way].parameters(), lr=1e-3) for way in models}
+            times: dict[str, list[list[Any]]] = {way: [] for way in loops}
             for block in range(blocks + 1):
-                shift = block % len(LOOPS)
-                order = list(LOOPS[shift:] + LOOPS[:shift])
-                for way in order:
-                    if ddp:
+                shift = block % len(loops)
+                for way in loops[shift:] + loops[:shift]:
+                    if several:
                         distkit.barrier()
-                    model, optimizer = models[way], optimizers[way]
-                    if way.startswith("hand"):
-                        per_step = _hand_block(model, optimizer, loader, ddp)
+                    if strategy == "fsdp":
+                        model = _fsdp_model(factory) if way.startswith("hand") else _seeded(factory)
+                        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
                     else:
-                        per_step = _trainer_block(model, optimizer, loader, VARIANTS[way], ddp, root)
+                        model, optimizer = models[way], optimizers[way]
+                    if way.startswith("hand"):
+                        per_step = _hand_block(model, optimizer, loader, strategy)
+                    else:
+                        per_step = _trainer_block(model, optimizer, loader, VARIANTS[way], strategy, root)
                     if block:  # block 0 warms every loop up
                         times[way].append(per_step)
             results[name] = times
     return results
 
 
-def _worker(rank: int, world_size: int, port: int, blocks: int, queue: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, jobs: list[Job], queue: Any) -> None:
     torch.set_num_threads(1)  # as torchrun would: one thread per process
     if world_size > 1:
         os.environ.update(
@@ -159,7 +190,7 @@ def _worker(rank: int, world_size: int, port: int, blocks: int, queue: Any) -> N
         import distkit
 
         distkit.init(backend="gloo")
-    results = _measure(world_size, rank, blocks)
+    results = [_measure(job, rank) for job in jobs]
     if rank == 0:
         queue.put(results)
     if world_size > 1:
@@ -169,48 +200,65 @@ def _worker(rank: int, world_size: int, port: int, blocks: int, queue: Any) -> N
         distkit.shutdown()
 
 
-def _run(world_size: int, blocks: int) -> dict[str, dict[str, list[list[Any]]]]:
+def run_jobs(world_size: int, jobs: list[Job]) -> list[dict[str, dict[str, list[list[Any]]]]]:
+    """Run ``jobs`` one after the other in ``world_size`` spawned processes; rank 0's block times,
+    one ``{model: {loop: [block's per-step (wall, CPU) times]}}`` per job."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, blocks, queue)) for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, jobs, queue)) for r in range(world_size)]
     for proc in procs:
         proc.start()
-    results: dict[str, dict[str, list[list[Any]]]] = queue.get(timeout=3600)
+    results: list[dict[str, dict[str, list[list[Any]]]]] = queue.get(timeout=3600)
     for proc in procs:
         proc.join(timeout=60)
     return results
 
 
-def _ratios(hand: list[list[Any]], ours: list[list[Any]], clock: int) -> list[float]:
+def ratios(hand: list[list[Any]], ours: list[list[Any]], clock: int) -> list[float]:
+    """Per block: the median step time of ``ours`` / the hand loop's in the same block (clock 0:
+    wall, 1: CPU time of the process)."""
+
     def median(block: list[Any]) -> float:
         return statistics.median(step[clock] for step in block)
 
     return [median(o) / median(h) for h, o in zip(hand, ours, strict=True)]
 
 
-def _shown(ratios: list[float]) -> str:
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}]"
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Lower quartile, median and upper quartile of ``values``."""
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return q1, statistics.median(values), q3
+
+
+def _shown(values: list[float]) -> str:
+    q1, mid, q3 = quartiles(values)
+    return f"{mid:.3f} [{q1:.3f}, {q3:.3f}]"
+
+
+# What --setups names: the processes, and where the medium model alone is measured (FSDP).
+SETUPS = {
+    "ddp": (2, "2 gloo ranks (DDP)", tuple(MODELS)),
+    "single": (1, "one process (single)", tuple(MODELS)),
+    "fsdp": (2, "2 gloo ranks (FSDP2, each Linear a unit)", (list(MODELS)[1],)),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=10, help="timed blocks per loop, model and world")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    parser.add_argument("--blocks", type=int, default=10, help="timed blocks per loop, model and setup")
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     args = parser.parse_args()
     print(
         f"per-step time / the hand loop's in the same block: median [quartiles] over {args.blocks} "
         f"blocks; wall clock, then CPU time of the process (rank 0)"
     )
-    for world_size in args.worlds:
+    for setup in args.setups:
+        world_size, where, names = SETUPS[setup]
         start = time.monotonic()
-        results = _run(world_size, args.blocks)
-        where = "2 gloo ranks (DDP)" if world_size > 1 else "one process (single)"
+        (results,) = run_jobs(world_size, [(setup, names, LOOPS, args.blocks, None)])
         print(f"\n{where} ({time.monotonic() - start:.0f} s)")
         print(
             f"  {'loop':28s} "
@@ -219,8 +267,8 @@ def main() -> None:
         for way in LOOPS[1:]:
             cells = []
             for times in results.values():
-                cells.append(f"{_shown(_ratios(times['hand'], times[way], 0)):>28s}")
-                cells.append(f"{_shown(_ratios(times['hand'], times[way], 1)):>22s}")
+                cells.append(f"{_shown(ratios(times['hand'], times[way], 0)):>28s}")
+                cells.append(f"{_shown(ratios(times['hand'], times[way], 1)):>22s}")
             print(f"  {way:28s} " + " ".join(cells))
 
 
