@@ -125,6 +125,9 @@ class Run:
     # this rank; agreed by the job; handled (checkpoint saved).
     request_stop: bool = False
     preempt_requested: bool = False
+    # This rank poisoned a backward pass of the current optimizer step (what a world of one reads
+    # instead of the sentinel: it has no other rank to agree with).
+    poisoned: bool = False
     job_preempt: bool = False
     preempted: bool = False
     # The steps of the current run of consecutive non-finite ones.

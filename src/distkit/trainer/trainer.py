@@ -9,7 +9,8 @@ One optimizer step, in every strategy::
         value = loss.item()                          # where a hand-written loop reads it
         backward(loss / accumulate_grad_batches)     # through the GradScaler under fp16;
                                                      # poisoned if value is nan/inf or a stop is due
-    read one element of one gradient (the sentinel)  # reduced: the same on every rank
+    read one element of one gradient (the sentinel)  # reduced: the same on every rank (in a
+                                                     # world of one: whether it poisoned)
     if it is finite: unscale once, clip, step, schedule; else agree why, then skip or stop
 
 The loop never asks which wrapper it holds: what differs between strategies sits behind

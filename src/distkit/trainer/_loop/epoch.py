@@ -130,6 +130,7 @@ def run_epoch(run: Run) -> None:
             scaled = loss / accumulate if accumulate > 1 else loss
             if run.request_stop or not math.isfinite(value):
                 poison(precision.backward, scaled, params)
+                run.poisoned = True
             else:
                 precision.backward(scaled)
         # Backward and, under DDP/FSDP, the gradient reduction's end: where a fast rank waits.
