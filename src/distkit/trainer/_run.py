@@ -89,7 +89,6 @@ class Run:
     # parameters may go unused in a step.
     params: list[nn.Parameter]
     sentinel: nn.Parameter | None
-    sentinel_is_vector: bool
     scan_all: bool
     # The generators a forward pass draws from (CPU, and this rank's CUDA device).
     generators: list[torch.Generator]

@@ -153,7 +153,6 @@ def setup(
         scheduler_interval=scheduler_interval,
         params=params,
         sentinel=sentinel,
-        sentinel_is_vector=sentinel is not None and sentinel.dim() == 1,
         scan_all=strategy.scan_all,
         generators=generators,
         num_batches=num_batches,

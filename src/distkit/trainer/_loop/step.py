@@ -139,11 +139,7 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         flag = math.nan if run.poisoned else 0.0
     else:
         grad = None if run.scan_all or run.sentinel is None else run.sentinel.grad
-        if grad is None:
-            flag = _nonfinite.scan_gradients(run)
-        else:
-            grad = strategy.local(grad)
-            flag = strategy.agreed(grad[0] if run.sentinel_is_vector else grad.reshape(-1)[0])
+        flag = _nonfinite.scan_gradients(run) if grad is None else strategy.read_sentinel(grad)
     run.poisoned = False
     if math.isfinite(flag):
         if run.nonfinite_run:

@@ -128,6 +128,14 @@ class Strategy:
         """
         return flag.item()
 
+    def read_sentinel(self, grad: torch.Tensor) -> float:
+        """One element of the sentinel's gradient (a bias: ``grad[0]`` is the cheapest read), the
+        same on every rank: non-finite when any rank poisoned its backward pass. DDP's gradients
+        are identical after the all-reduce, so reading is agreeing; FSDP's shards differ, and its
+        :meth:`agreed` is an all-reduce."""
+        grad = self.local(grad)
+        return self.agreed(grad[0] if grad.dim() == 1 else grad.reshape(-1)[0])
+
     def clip_gradients(self, params: Sequence[nn.Parameter], max_value: float, algorithm: str) -> bool:
         """Clip the gradients of ``params`` by ``"norm"`` or ``"value"``; False when the norm is not
         finite (the same on every rank: the gradients are reduced first)."""
