@@ -204,8 +204,10 @@ def main() -> int:
     foreign = max(0.0, (busy1 - busy0) / tick - (_own_cpu_s() - own0)) / ((time.monotonic() - wall0) * cpus)
 
     def rate(name: str, block: int) -> float:
+        # Batches per second of the job: rank 0's, times 2 for the ways both ranks train.
         spec = _way(name)
-        return spec["accumulate"] * spec["factor"] / statistics.median(times[name][block])
+        ranks = 2 if spec["ddp"] else 1
+        return ranks * spec["accumulate"] * spec["factor"] / statistics.median(times[name][block])
 
     blocks = range(args.blocks)
     print(

@@ -102,6 +102,7 @@ def test_profile_scaling_times_an_adamw_with_param_groups_in_spawned_ranks_witho
     assert profile.double_batch_low <= profile.double_batch_s <= profile.double_batch_high
     assert profile.double_batch_s > 0
     assert 0 <= profile.rank_wait_s <= profile.rank_compute_s
+    assert 0 < profile.optimizer_s < profile.compute_s  # AdamW's step, timed within the step alone
     names = {p.name for p in profile.prescriptions(2)}
     assert names == {"fp16", "bf16", "powersgd", "accumulate", "batch"}
 
@@ -944,11 +945,12 @@ def test_nothing_is_prescribed_inside_the_spread_for_a_job_that_scales_or_on_a_l
     assert _weighed(10.0, 10.0, {}).prescriptions(1) == ()
 
 
-def test_accumulation_waits_for_the_slowest_rank_once_per_all_reduce() -> None:
-    # 10 ms per rank in lockstep, 2 of them waiting for the slower rank: 4 batches per all-reduce
-    # wait once, so a batch computes in 10 - 2 x 3/4 = 8.5 ms and carries 10 / 4 ms of communication.
-    profile = dataclasses.replace(_weighed(10.0, 10.0, {}), rank_wait_s=0.002)
-    assert profile.predict(2, accumulate=4).step_s == pytest.approx(0.0085 + 0.0025)
+def test_accumulation_waits_for_the_slowest_rank_and_steps_the_optimizer_once_per_all_reduce() -> None:
+    # 10 ms per rank in lockstep, 2 of them waiting for the slower rank and 1 in the optimizer:
+    # 4 batches per all-reduce wait and step once, so a batch computes in 10 - 3 x 3/4 = 7.75 ms
+    # and carries 10 / 4 ms of communication.
+    profile = dataclasses.replace(_weighed(10.0, 10.0, {}), rank_wait_s=0.002, optimizer_s=0.001)
+    assert profile.predict(2, accumulate=4).step_s == pytest.approx(0.00775 + 0.0025)
     assert profile.predict(2).step_s == pytest.approx(0.020)
 
 

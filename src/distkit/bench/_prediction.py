@@ -260,6 +260,8 @@ class ScalingProfile:
         rank_wait_s: The part of ``rank_compute_s`` spent waiting for the slowest rank (0 where
             ``rank_compute_s`` is ``compute_s``). It comes once per all-reduce, so accumulation
             divides it as it divides the communication.
+        optimizer_s: The part of ``compute_s`` after backward (``optimizer.step()`` and clearing
+            the gradients), which accumulation also runs once per ``k`` batches.
         rank_compute_blocks: ``rank_compute_s`` of each block, when measured in the same blocks as
             the communication (the spawned ranks); empty otherwise.
         double_batch_blocks: ``double_batch_s`` of each block, likewise.
@@ -291,6 +293,7 @@ class ScalingProfile:
     double_batch_low: float = math.nan
     double_batch_high: float = math.nan
     rank_wait_s: float = 0.0
+    optimizer_s: float = 0.0
     rank_compute_blocks: tuple[float, ...] = ()
     double_batch_blocks: tuple[float, ...] = ()
 
@@ -322,7 +325,8 @@ class ScalingProfile:
         that outlasts the backward pass counts: ``rank_compute_s + max(0, comm(N) - backward_s)``.
         With ``accumulate=k`` (gradient accumulation under DDP's ``no_sync()``) the all-reduce
         runs once per ``k`` batches, so each batch carries ``comm(N) / k``, and the ranks wait for
-        the slowest one once per ``k`` batches (``rank_wait_s / k``). Ranks beyond
+        the slowest one and step the optimizer once per ``k`` batches (``rank_wait_s / k``,
+        ``optimizer_s / k``). Ranks beyond
         ``comm.world_size`` are assumed to compute as fast as the measured ones (their own cores
         or GPUs). The interval combines every part's interval in the least and the most favourable
         way.
@@ -340,8 +344,9 @@ class ScalingProfile:
     def _accumulated(
         self, compute: tuple[float, float, float], accumulate: int
     ) -> tuple[float, float, float]:
-        """A rank's compute per batch when it waits for the slowest rank once per ``accumulate`` batches."""
-        saved = self.rank_wait_s * (1 - 1 / accumulate)
+        """A rank's compute per batch when it waits for the slowest rank and steps the optimizer once
+        per ``accumulate`` batches."""
+        saved = (self.rank_wait_s + self.optimizer_s) * (1 - 1 / accumulate)
         return (compute[0] - saved, compute[1] - saved, compute[2] - saved)
 
     def _forecast(
@@ -473,7 +478,7 @@ class ScalingProfile:
         count = len(self.comm.step_blocks)
         if not count or len(comm.step_blocks) != count:
             return math.nan, math.nan
-        saved = self.rank_wait_s * (1 - 1 / accumulate)
+        saved = (self.rank_wait_s + self.optimizer_s) * (1 - 1 / accumulate)
         gains = []
         for b in range(count):
             own = (

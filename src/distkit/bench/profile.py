@@ -593,6 +593,7 @@ def profile_scaling(
         load=load,
         comm_options=tuple(found),
         rank_wait_s=measured["compute_wait"].value if "compute_wait" in measured else 0.0,
+        optimizer_s=max(0.0, alone["step"].value - alone["forward"].value - alone["backward"].value),
         # Paired with the communication's blocks only when measured with it, in the spawned ranks.
         rank_compute_blocks=measured["compute"].blocks if "compute" in measured else (),
         double_batch_blocks=measured["double"].blocks if "double" in measured else (),
