@@ -1252,6 +1252,67 @@ def test_sigterm_on_one_rank_of_a_self_launched_fit_saves_exits_zero_and_resumes
         assert torch.equal(tensor, expected[name]), name
 
 
+ONE_PROCESS_JOB = """import os, signal, sys
+import torch
+from torch import nn
+from distkit.trainer import ModelCheckpoint, Trainer
+
+root, max_steps, term_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+generator = torch.Generator().manual_seed(1234)
+inputs, targets = torch.randn(320, 20, generator=generator), torch.randint(0, 10, (320,), generator=generator)
+data = torch.utils.data.TensorDataset(inputs, targets)
+trainer = Trainer(
+    strategy="single", max_steps=max_steps, seed=3, resume="auto", default_root_dir=root, logger=False,
+    enable_progress_bar=False, callbacks=[ModelCheckpoint(every_n_steps=2, every_n_epochs=0, keep_last=10)],
+)
+
+def forward_hook(module, inputs, output):
+    # SIGTERM in the middle of a step: between its forward and its backward pass.
+    if trainer.global_step == term_step - 1 and not os.environ.get("RESUMED"):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+model[0].register_forward_hook(forward_hook)
+try:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer.fit(model, data, optimizer=optimizer, loss_fn=nn.CrossEntropyLoss())
+finally:
+    torch.save({"step": trainer.global_step, "weights": model.state_dict()}, os.path.join(root, "weights.pt"))
+"""
+
+
+def test_sigterm_mid_step_in_one_process_keeps_that_step_saves_and_resumes_exactly(tmp_path) -> None:
+    # A world of one has no rank to tell: SIGTERM between step 3's forward and backward pass lets
+    # step 3 finish, saves a checkpoint of it and exits 0 (issue 29: no random-generator state is
+    # kept per step for a discard). The resumed run ends with the uninterrupted run's weights,
+    # dropout draws included.
+    script = tmp_path / "job.py"
+    script.write_text(ONE_PROCESS_JOB)
+    stopped = run_job(
+        [sys.executable, str(script), str(tmp_path / "run"), "6", "3"], job_env(), timeout_s=120
+    )
+    assert stopped.returncode == 0
+    assert "SIGTERM received: saving a checkpoint at step 3" in stopped.stderr
+    assert torch.load(tmp_path / "run" / "weights.pt")["step"] == 3
+    resumed = run_job(
+        [sys.executable, str(script), str(tmp_path / "run"), "6", "3"],
+        {**job_env(), "RESUMED": "1"},
+        timeout_s=120,
+    )
+    assert resumed.returncode == 0
+    reference = run_job(
+        [sys.executable, str(script), str(tmp_path / "reference"), "6", "3"],
+        {**job_env(), "RESUMED": "1"},
+        timeout_s=120,
+    )
+    assert reference.returncode == 0
+    got, want = (torch.load(tmp_path / name / "weights.pt") for name in ("run", "reference"))
+    assert got["step"] == want["step"] == 6
+    for name, tensor in want["weights"].items():
+        assert torch.equal(got["weights"][name], tensor), name
+
+
 def test_sigkilled_rank_restarts_under_torchrun_and_ends_with_uninterrupted_weights(ranks, tmp_path) -> None:
     env = job_env()
     # pytorch/pytorch#135712: without it the restarted gloo group often fails to form (FACTS.md).

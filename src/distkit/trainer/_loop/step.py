@@ -191,6 +191,15 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
     if run.job_preempt:
         _preemption.preempt(run)
         return True
+    if run.request_stop and run.world_size == 1:
+        # A world of one stops after the step a request came in (a callback's should_stop, SIGTERM):
+        # the step is kept, as no other rank needs telling (epoch.py).
+        run.request_stop = False
+        run.should_stop = True
+        if run.preempt_requested:
+            run.job_preempt = True
+            _preemption.preempt(run)
+        return True
     return stop or run.finished()
 
 
