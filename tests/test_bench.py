@@ -26,6 +26,7 @@ from distkit.bench.profile import (
     CommProfile,
     ScalingProfile,
     _check_optimizer,
+    _doubled,
     _pack_task,
     _unpack_task,
 )
@@ -983,3 +984,23 @@ def test_a_change_is_weighed_against_the_job_block_by_block() -> None:
     # One block where the option was slower: not faster in every block, so not prescribed.
     mixed = _blocks(base, [10.0] * 5, [6.0] * 5, [4.0, 4.0, 7.0, 4.0, 4.0])
     assert next(p for p in mixed.prescriptions(2) if p.name == "fp16").gain_low < 1
+
+
+def test_the_doubled_batch_doubles_every_batch_sized_tensor_or_is_refused() -> None:
+    import collections
+
+    x, y, mask = torch.randn(4, 3), torch.arange(4), torch.ones(7)  # mask: not batch-sized
+    pair = _doubled((x, y), 4)
+    assert isinstance(pair, tuple) and torch.equal(pair[0], torch.cat([x, x])) and pair[1].shape == (8,)
+    mapping = _doubled(collections.UserDict({"input_ids": x, "labels": y, "mask": mask}), 4)
+    assert mapping["input_ids"].shape == (8, 3) and mapping["mask"] is mask  # a tokenizer's BatchEncoding
+    Batch = collections.namedtuple("Batch", "inputs targets")
+    named = _doubled(Batch(x, y), 4)
+    assert isinstance(named, Batch) and named.inputs.shape == (8, 3)
+
+    class Odd(tuple):  # a container it cannot rebuild: no doubled batch rather than the same one
+        def __new__(cls, a: torch.Tensor, b: torch.Tensor) -> Odd:
+            return super().__new__(cls, (a, b))
+
+    assert _doubled(Odd(x, y), 4) is None
+    assert _doubled(("text", 3), None) is None

@@ -124,20 +124,27 @@ def _option(name: str, option: _Option, comm: CommProfile) -> CommOption:
 
 def _doubled(batch: Any, size: int | None) -> Any:
     """``batch`` with every tensor of ``size`` rows stacked on itself (twice the batch); ``None``
-    when it holds no such tensor."""
+    when that does not give a batch of ``2 * size`` (no such tensor, or a container it cannot
+    rebuild), so that the doubled batch is never silently the same one."""
     if size is None:
         return None
 
     def double(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
             return torch.cat([item, item]) if item.dim() and item.shape[0] == size else item
-        if isinstance(item, dict):
+        if isinstance(item, Mapping):  # a dict, or a tokenizer's BatchEncoding (a UserDict)
             return {key: double(value) for key, value in item.items()}
+        if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
+            return type(item)(*(double(value) for value in item))
         if isinstance(item, (tuple, list)):
             return type(item)(double(value) for value in item)
         return item
 
-    return double(batch)
+    try:
+        doubled = double(batch)
+    except TypeError:  # a tuple or list subclass whose constructor takes other arguments
+        return None
+    return doubled if batch_size_of(doubled) == 2 * size else None
 
 
 def _measure_compute(
