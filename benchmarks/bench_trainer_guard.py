@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -118,9 +119,13 @@ def main() -> None:
             quartiles(ratios(times["hand"], times[TRAINER], CPU)),
             quartiles(ratios(times["hand"], times["hand (A/A)"], CPU)),
         )
+        # The hand loop's step in microseconds (median of the rounds' medians): a fixed cost per
+        # step weighs more on a faster machine, so ratios from two machines compare only with it.
+        hand_us = 1e6 * statistics.median(statistics.median(step[WALL] for step in r) for r in times["hand"])
         print(
             f"  {label:27s} {mid:.3f} [{q1:.3f}, {q3:.3f}]   A/A {amid:.3f} [{a1:.3f}, {a3:.3f}]   "
-            f"budget {budget:.2f}   {result:12s}   CPU time {cpu:.3f} (A/A {cpu_aa:.3f})"
+            f"budget {budget:.2f}   {result:12s}   CPU time {cpu:.3f} (A/A {cpu_aa:.3f})   "
+            f"hand {hand_us:.0f} us/step"
         )
     sys.exit(1 if failed else 0)
 
