@@ -97,11 +97,12 @@ def _handwritten_block(
     return _per_step(stamps)
 
 
-def _per_step(stamps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _per_step(stamps: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     # Steady state only: the first steps carry set-up (iterator start, and DDP rebuilding its
     # buckets in the order gradients arrived, which it does once after its first backward).
+    # Each stamp holds one reading per clock; a step's entry, each clock's difference.
     steady = stamps[_SKIP:]
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(steady)]
+    return [tuple(y - x for x, y in zip(a, b, strict=True)) for a, b in itertools.pairwise(steady)]
 
 
 def _trainer_block(
