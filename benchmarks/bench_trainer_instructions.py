@@ -1,4 +1,4 @@
-"""The Trainer's own work per step, counted exactly: CPU instructions of the training thread under
+"""The Trainer's own work per step, counted: CPU instructions of the training thread under
 valgrind's callgrind, the Trainer with every default on against the hand-written loop.
 
 Run by hand (not in CI; needs valgrind):  .venv/bin/python benchmarks/bench_trainer_instructions.py
@@ -6,12 +6,12 @@ Run by hand (not in CI; needs valgrind):  .venv/bin/python benchmarks/bench_trai
 
 Why. Timing 2 % on 2 ranks that share 2 cores is hopeless (bench_trainer_guard.py's A/A spreads
 reach several percent), but the instructions a thread executes barely depend on the other rank's
-timing: two idle runs agree to 0.1 %. Run it idle all the same: work done by the clock (the progress
-line, the checkpoint's time check) comes more often per step under valgrind, and a short run beside
-two busy processes was 1.4 % off. They are not time: cache misses and branch mispredictions are not
-counted, so a ratio here is a floor for the time ratio, not the time ratio itself. What the count
-shows exactly is every Python call, attribute lookup and tensor made per step that the hand loop
-does not make.
+timing: three idle runs gave the DDP ratio as 1.0297, 1.0291 and 1.0243. Run it idle all the same:
+work done by the clock (the progress line, the checkpoint's time check) comes more often per step
+under valgrind, and a short run beside two busy processes was 1.4 % off. They are not time: cache
+misses and branch mispredictions are not counted, so a ratio here is a floor for the time ratio,
+not the time ratio itself. What the count shows is every Python call, attribute lookup and
+tensor made per step that the hand loop does not make, to about half a percent.
 
 How. Each loop runs twice in fresh processes, once for ``--short`` steps and once for ``--long``
 steps (after the same 20 warm-up steps, in the same process); rank 0 runs under ``valgrind
@@ -46,6 +46,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WARMUP = 20
+_MIN_STEPS = 500  # the least difference of steps between the two runs (see main)
+_DEADLINE_S = 1800  # for each process of a run; a run takes about two minutes here
 SETUPS = {"ddp": "DDP, 2 gloo ranks, tiny MLP", "single": "one process, tiny MLP"}
 # Short names of bench_trainer_defaults.VARIANTS (the Trainer with its defaults switched on).
 VARIANT_KEYS = {
@@ -72,9 +74,9 @@ def _worker(setup: str, loop: str, steps: int, rank: int, port: int, ready: str)
     strategy = "ddp" if setup == "ddp" else "single"
     import distkit
 
-    if rank == 0:
-        Path(ready).touch()
     if setup == "ddp":
+        if rank == 0:
+            Path(ready).touch()
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         distkit.init(backend="gloo", hang_timeout_s=3600.0)
     factory, features, batch_size, _ = next(iter(MODELS.values()))
@@ -100,6 +102,38 @@ def _worker(setup: str, loop: str, steps: int, rank: int, port: int, ready: str)
         distkit.shutdown()
 
 
+def _run_rank1(
+    name: str, rank0: subprocess.Popen[bytes], command: list[str], env: dict[str, str], ready: Path, log: Path
+) -> None:
+    """Run rank 1 at full speed beside rank 0 (slowed about fifty-fold under valgrind): started once
+    rank 0 has imported torch and is about to open the store, and stopped as soon as either fails."""
+    deadline = time.monotonic() + _DEADLINE_S
+    while not ready.exists():
+        if rank0.poll() is not None:
+            raise SystemExit(f"{name}: rank 0 failed to start under valgrind:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{name}: rank 0 did not start within {_DEADLINE_S} s")
+        time.sleep(0.5)
+    rank1 = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+    try:
+        # Either rank's failure ends the run: a dead rank 0 must not leave rank 1 waiting in a
+        # collective until its timeout.
+        while rank1.poll() is None and rank0.poll() in (None, 0):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{name}: rank 1 did not finish within {_DEADLINE_S} s")
+            time.sleep(0.5)
+        # Rank 0 first: when it dies, rank 1 fails too, and the cause is rank 0's.
+        if rank0.poll() not in (None, 0):
+            tail = log.read_text()[-3000:]
+            raise SystemExit(f"{name}: rank 0 failed under valgrind (exit {rank0.returncode}):\n{tail}")
+        if rank1.returncode != 0:
+            raise SystemExit(f"{name}: rank 1 failed (exit {rank1.returncode}); its error is printed above")
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
+
+
 def _count(setup: str, loop: str, steps: int, out: Path) -> int:
     """Instructions of rank 0's main thread over a whole run of ``steps`` steps."""
     with socket.socket() as sock:
@@ -119,29 +153,19 @@ def _count(setup: str, loop: str, steps: int, out: Path) -> int:
     with log.open("w") as stderr:
         command = [*valgrind, *me, "0", str(port), str(ready)]
         rank0 = subprocess.Popen(command, env=env, stdout=stderr, stderr=stderr)
-    if setup == "ddp":
-        # Rank 1 runs at full speed and waits for rank 0: started once rank 0, slowed about
-        # fifty-fold, has imported torch and is about to open the store.
-        deadline = time.monotonic() + 600
-        while not ready.exists() and rank0.poll() is None:
-            if time.monotonic() > deadline:
-                rank0.kill()
-                raise SystemExit(f"rank 0 of {setup}/{loop}/{steps} did not start within 600 s")
-            time.sleep(0.5)
-        if not ready.exists():
-            raise SystemExit(f"rank 0 of {setup}/{loop}/{steps} failed to start:\n{log.read_text()[-3000:]}")
-        try:
-            rank1 = subprocess.run(
-                [*me, "1", str(port), str(ready)], env=env, stdout=subprocess.DEVNULL, timeout=1800
+    try:
+        if setup == "ddp":
+            _run_rank1(prefix.name, rank0, [*me, "1", str(port), str(ready)], env, ready, log)
+        if rank0.wait(timeout=_DEADLINE_S) != 0:
+            raise SystemExit(
+                f"{prefix.name} failed under valgrind (exit {rank0.returncode}):\n{log.read_text()[-3000:]}"
             )
-        except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{prefix.name}: rank 0 did not finish within {_DEADLINE_S} s") from None
+    finally:
+        if rank0.poll() is None:
             rank0.kill()
-            raise SystemExit(f"rank 1 of {setup}/{loop}/{steps} did not finish within 1800 s") from None
-        if rank1.returncode != 0:
-            rank0.kill()
-            raise SystemExit(f"rank 1 of {setup}/{loop}/{steps} failed (exit {rank1.returncode})")
-    if rank0.wait(timeout=1800) != 0:
-        raise SystemExit(f"{setup}/{loop}/{steps} failed under valgrind:\n{log.read_text()[-3000:]}")
+            rank0.wait()
     # --separate-threads: one file per thread, ``<prefix>.<pid>-<thread>``; thread 01 is the main one.
     files = sorted(out.glob(f"{prefix.name}.*-01"))
     if len(files) != 1:
@@ -172,6 +196,13 @@ def main() -> None:
         raise SystemExit("bench_trainer_instructions.py needs valgrind (apt-get install valgrind).")
     if not 0 < args.short < args.long:
         parser.error(f"need 0 < --short < --long, got {args.short} and {args.long}")
+    if args.long - args.short < _MIN_STEPS:
+        # One-off work (the first progress line, a logging step or not) then outweighs the steps:
+        # 10 and 30 steps gave the DDP Trainer 1.109, where 100 and 700 give 1.029 run after run.
+        parser.error(
+            f"--long - --short must be at least {_MIN_STEPS} steps for a per-step count to mean "
+            f"anything, got {args.long - args.short}"
+        )
     print(
         f"Instructions per step of rank 0's training thread (callgrind; runs of {args.long} and "
         f"{args.short} steps, their difference / {args.long - args.short})"
@@ -184,8 +215,8 @@ def main() -> None:
             # Two runs at a time (rank 0 under valgrind is the one busy process of each).
             runs = [(loop, steps) for loop in loops for steps in (args.short, args.long)]
             with ThreadPoolExecutor(max_workers=2) as pool:
-                counted = pool.map(_count, [setup] * len(runs), *zip(*runs, strict=True), [out] * len(runs))
-                counts = dict(zip(runs, counted, strict=True))
+                futures = {run: pool.submit(_count, setup, *run, out) for run in runs}
+                counts = {run: future.result() for run, future in futures.items()}
             per_step = {
                 loop: (counts[loop, args.long] - counts[loop, args.short]) / (args.long - args.short)
                 for loop in loops
