@@ -97,7 +97,7 @@ def _expected(case: str, kind: str, world_size: int) -> list[tuple[list[int], st
             ],
         }
     else:
-        backward = _trainer_at("precision.backward(scaled)", module=loop_module)
+        backward = _trainer_at("backward(scaled)", module=loop_module)
         table = {
             "barrier_on_rank_0": [
                 ([0], "waiting in distkit.barrier", _at("trainer_barrier_on_rank_0")),

@@ -263,6 +263,22 @@ class PoisonedModel(SimpleModel):
         return loss * math.nan
 
 
+class WideBiasPoisonedModel(PoisonedModel):
+    """Its shortest bias has 40 elements: DDP reads the sentinel by indexing, not with tolist()."""
+
+    def __init__(self, rank: int, poisoned: set[int]) -> None:
+        super().__init__(rank, poisoned)
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 40))
+
+
+class NoBiasPoisonedModel(PoisonedModel):
+    """No one-dimensional parameter: the sentinel is a weight matrix."""
+
+    def __init__(self, rank: int, poisoned: set[int]) -> None:
+        super().__init__(rank, poisoned)
+        self.net = nn.Sequential(nn.Linear(20, 64, bias=False), nn.ReLU(), nn.Linear(64, 10, bias=False))
+
+
 class OverflowModel(PoisonedModel):
     """A finite loss whose gradients are inf: the gradient of sqrt(w - w) at 0 is 1 / 0 (an
     overflow inside backward)."""
@@ -335,8 +351,14 @@ def train_poisoned(
     return {"skipped": trainer.skipped_steps, "weights": record.weights, "steps": trainer.global_step}
 
 
-def test_nonfinite_loss_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_path) -> None:
-    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3)
+@pytest.mark.parametrize(
+    "model_class",
+    [PoisonedModel, WideBiasPoisonedModel, NoBiasPoisonedModel],
+    ids=["short-bias-sentinel", "wide-bias-sentinel", "matrix-sentinel"],
+)
+def test_nonfinite_loss_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_path, model_class) -> None:
+    # Each way DDP reads its sentinel (a short bias copied out, a longer one or a matrix indexed).
+    results = ranks.run(train_poisoned, str(tmp_path), {2}, 3, model_class)
     for result in results:
         assert result["skipped"] == 1 and result["steps"] == 6
         weights = result["weights"]

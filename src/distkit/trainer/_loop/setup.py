@@ -102,11 +102,12 @@ def setup(
     # Gradients the optimizer clears every step (a frozen-but-grad parameter outside it would
     # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
     # step in which a rank leaves a parameter unused, so one sentinel is then enough.
-    # A one-dimensional sentinel (a bias) is the cheapest to read: grad[0].item().
+    # A one-dimensional sentinel (a bias) is the cheapest to read, the shortest one most of all
+    # (Strategy.read_sentinel).
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     # Under FSDP each rank reads its own shard: one that is not empty on this rank.
     candidates = [p for p in params if id(p) in stepped and strategy.local(p).numel() > 0]
-    sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim()), default=None)
+    sentinel = min(candidates, key=lambda p: (p.dim() != 1, p.dim(), p.numel()), default=None)
     generators = [torch.default_generator]
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()

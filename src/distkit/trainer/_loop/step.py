@@ -131,7 +131,8 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
     precision, optimizer, strategy = run.precision, run.optimizer, run.strategy
     take_step: bool | None = True  # None: discarded for a stop request
     stop = False
-    strategy.sync_buffers()  # FSDP: rank 0's buffers, before checkpoints and validation read them
+    if strategy.syncs_buffers:  # FSDP: rank 0's buffers, before checkpoints and validation read them
+        strategy.sync_buffers()
     # One gradient element, non-finite on every rank if any rank poisoned its backward pass. A
     # world of one has no rank to agree with and knows whether it poisoned its own: no read (a
     # host read and an indexing a step, about 1 % of an overhead-bound step; issue 29).
@@ -170,7 +171,8 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
             precision.step(optimizer)
         if run.lr_scheduler is not None and run.scheduler_interval == "step":
             run.lr_scheduler.step()
-    strategy.finish_step(taken)  # PowerSGD: a step not taken leaves its state as it was
+    if strategy.step_state:  # PowerSGD: a step not taken leaves its state as it was
+        strategy.finish_step(taken)
     optimizer.zero_grad(set_to_none=True)
     timer = run.timer
     timer.sums[3] += time.perf_counter() - start
