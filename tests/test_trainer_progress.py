@@ -333,10 +333,11 @@ def time_checkpointed_run(
     directory: str, max_steps: int, resume: str | None, crash_after: int | None = None
 ) -> tuple[list[int], torch.Tensor, str]:
     """2 ranks, 5 steps per epoch, a log every 2 steps; a checkpoint every 0.001 min = 60 ms, and
-    every step lasts at least 35 ms on the main process: each logging step's check is due."""
+    every step lasts at least 65 ms on the main process: each logging step's check is due (it is
+    made before the step-end callbacks, so one whole step lies between a save and the next check)."""
     model = small_model()
     checkpoint = RecordingCheckpoint(every_n_minutes=0.001, every_n_epochs=0, keep_last=10)
-    callbacks: list[Callback] = [Sleep(0.035, main_only=True), checkpoint]
+    callbacks: list[Callback] = [Sleep(0.065, main_only=True), checkpoint]
     if crash_after is not None:
         callbacks.insert(0, CrashAfter(crash_after))
     trainer = Trainer(
@@ -396,7 +397,7 @@ def skewed_clock_run(directory: str, every_n_minutes: float, skew_s: float) -> l
         default_root_dir=directory,
         logger=False,
         enable_progress_bar=False,
-        callbacks=[Sleep(0.035, main_only=True), checkpoint],
+        callbacks=[Sleep(0.065, main_only=True), checkpoint],
     )
     trainer.fit(
         small_model(),
@@ -409,7 +410,7 @@ def skewed_clock_run(directory: str, every_n_minutes: float, skew_s: float) -> l
 
 def test_the_main_process_clock_decides_time_checkpoints_when_rank_clocks_disagree(ranks, tmp_path) -> None:
     # Rank 1's clock an hour behind: by its own clock nothing is due, by the main process's every
-    # check is (60 ms apart, steps of 35 ms). A decision taken on each rank would leave rank 0
+    # check is (60 ms apart, steps of 65 ms). A decision taken on each rank would leave rank 0
     # saving alone (a hang or a mismatched collective); every rank saves at steps 2 and 4.
     assert ranks.run(skewed_clock_run, str(tmp_path / "behind"), 0.001, -3600.0) == [[2, 4]] * 2
     # Rank 1's clock an hour ahead, an hour between saves: only rank 1 would think one due.

@@ -148,8 +148,10 @@ class Run:
     # step gives back (taken only when training_step returns extra metrics).
     extras_at_step: tuple[int, dict[str, torch.Tensor | float], int] | None = None
     # This optimizer step is a logging step whose metrics are not logged yet (between the step-end
-    # callbacks and the log): a checkpoint saved then logs them first.
+    # callbacks and the log): a checkpoint saved then logs them first. Its reduced metrics and
+    # each rank's phase times (logs.reduce_window), until logged.
     log_pending: bool = False
+    window_reduced: tuple[dict[str, float], list[list[float]]] | None = None
     # The step of the latest validation and its metrics (an epoch end at that step reuses them).
     last_validation: tuple[int, dict[str, float]] = (-1, {})
     # This rank's time per phase of the steps since the last logging step, and the comparison of

@@ -180,8 +180,10 @@ class ModelCheckpoint(Callback):
     clocks differ) and one collective shares the decision, at logging steps only
     (``Trainer(log_every_n_steps=...)``, 50 by default): a save comes at the first logging step
     after ``every_n_minutes`` have passed since the previous save (of any kind), or since ``fit``
-    started. Its cost is one all-reduce of one integer per logging step on the CPU group (about
-    0.1-0.3 ms on gloo; nothing in one process), and the saves themselves; pass
+    started. The Trainer's own ModelCheckpoint (the first among its callbacks) asks its question in
+    the logging step's collective of the training metrics, before the step-end callbacks run, and
+    costs nothing more; another one makes an all-reduce of one integer per logging step on the CPU
+    group (about 0.1-0.3 ms on gloo; nothing in one process). Then come the saves themselves; pass
     ``every_n_minutes=None`` to turn it off.
 
     Args:
@@ -267,6 +269,9 @@ class ModelCheckpoint(Callback):
         self._last_saved_step: int | None = None
         # time.monotonic() of the last save (or of fit's start): only the main process's counts.
         self._last_save_time = 0.0
+        # (step, decision) of the saves-by-time check when it rode on the Trainer's collective of
+        # that logging step (the Trainer's own ModelCheckpoint); otherwise the check all-reduces.
+        self._time_agreed: tuple[int, bool] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The manager belongs to one process (its writer lock, its save in flight): the processes
@@ -302,25 +307,38 @@ class ModelCheckpoint(Callback):
         # A resumed run starts at the restored checkpoint's step: no need to write it again.
         self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
+        self._time_agreed = None
 
     def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
         step = trainer.global_step
         # By time only at logging steps, and not at a step saved anyway: the same steps on every rank.
         if (self.every_n_steps and step % self.every_n_steps == 0) or (
-            self.every_n_minutes is not None and step % trainer.log_every_n_steps == 0 and self._time_is_due()
+            self.every_n_minutes is not None
+            and step % trainer.log_every_n_steps == 0
+            and self._time_is_due(step)
         ):
             # Ranked for keep_best only when validation ran at this very step (val_check_interval
             # validates before the step-end callbacks); older metrics describe an older model.
             validated_now = trainer.last_validation_step == step
             self.save(trainer, self._monitored(trainer.last_validation_metrics) if validated_now else None)
 
-    def _time_is_due(self) -> bool:
-        """Whether ``every_n_minutes`` have passed on the main process's clock. Collective: one
-        all-reduce of a flag, at the same steps on every rank; the other ranks' clocks take no part
-        (they pass False), so every rank gets the main process's decision."""
-        interval_s = 60.0 * float(self.every_n_minutes or 0.0)
-        due = runtime.is_main_process() and time.monotonic() - self._last_save_time >= interval_s
-        return any_rank(due)
+    def _time_is_due(self, step: int) -> bool:
+        """Whether ``every_n_minutes`` have passed on the main process's clock: the same answer on
+        every rank, as the other ranks' clocks take no part. Collective: the Trainer's own
+        ModelCheckpoint gets the answer from the logging step's collective (``_time_agreed``);
+        another one all-reduces a flag, at the same steps on every rank."""
+        agreed = self._time_agreed
+        if agreed is not None and agreed[0] == step:
+            return agreed[1]
+        return any_rank(self._time_due_here())
+
+    def _time_due_here(self) -> bool:
+        """This process's part of :meth:`_time_is_due`: True on the main process once
+        ``every_n_minutes`` have passed since the last save, False elsewhere. Local."""
+        if self.every_n_minutes is None:
+            return False
+        interval_s = 60.0 * float(self.every_n_minutes)
+        return runtime.is_main_process() and time.monotonic() - self._last_save_time >= interval_s
 
     def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:

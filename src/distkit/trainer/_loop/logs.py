@@ -1,5 +1,6 @@
 """Training metrics between logging steps: this rank's partial sums, the one collective of a
-logging step, and the hand-over to the loggers."""
+logging step (which also carries the checkpoint's saves-by-time check), and the hand-over to the
+loggers."""
 
 from __future__ import annotations
 
@@ -57,18 +58,24 @@ def load_log_sums(run: Run, sums: Mapping[str, Any]) -> None:
     run.extra_count = int(sums["extra_count"])
 
 
-def log_step(run: Run) -> None:
-    """Log the window's training metrics: one collective, then the callbacks' ``on_log`` and the loggers."""
-    run.log_pending = False
+def reduce_window(run: Run) -> None:
+    """The logging step's one collective, before the step-end callbacks: the window's loss, every
+    extra training metric, each rank's phase times (straggler report) and the saves-by-time check of
+    the Trainer's ModelCheckpoint, in one all-reduce. :func:`log_step` then logs the result."""
     # Each rank's phase times ride on the same collective (straggler report, profiler="simple"):
     # one slot per rank and phase, this rank's filled and the others' zero, so the sum gives every
     # rank every rank's times. world_size * 4 more numbers, no collective more.
     timed = run.stragglers is not None
     world, rank, phases = run.world_size, runtime.get_rank(), len(PHASES)
-    # The logging step's one collective: the loss and every extra training metric at once.
+    # So does the checkpoint's question "have every_n_minutes passed on the main process's clock?",
+    # which would otherwise cost a collective of its own at each logging step (a slot on every rank
+    # alike, so that the ranks' tensors agree; 0 where there is no ModelCheckpoint).
+    checkpoint = run.checkpoint
+    due = float(checkpoint is not None and checkpoint._time_due_here())
     if run.extra_sums:
         local: dict[str, Any] = {"train_loss": (run.window_sum, float(run.window_count))}
         local.update({k: (v, float(run.extra_count)) for k, v in run.extra_sums.items()})
+        local[_DUE] = (due, 1.0)  # a mean over ranks: positive when the main process's is 1
         if timed:
             # (sum, count) pairs: the slot's owner gives (time, 1), the others (0, 0): the reduced
             # mean is the owner's time.
@@ -77,19 +84,35 @@ def log_step(run: Run) -> None:
                 for p in range(phases):
                     local[f"_phase/{r}/{p}"] = (run.timer.sums[p] if mine else 0.0, float(mine))
         metrics = reduce_metrics(local)
+        agreed_due = metrics.pop(_DUE) > 0
         per_rank = [[metrics.pop(f"_phase/{r}/{p}") for p in range(phases)] for r in range(world)]
     else:
-        # The loss alone: two numbers, whose names cannot differ between ranks, travel in half
-        # the time of reduce_metrics' checked block (gloo, 2 ranks: about 0.15 against 0.3 ms).
-        values = [run.window_sum, float(run.window_count)]
+        # The loss alone: numbers whose names cannot differ between ranks travel in half the time
+        # of reduce_metrics' checked block (gloo, 2 ranks: about 0.15 against 0.3 ms).
+        values = [run.window_sum, float(run.window_count), due]
         if timed:
             slots = [0.0] * (world * phases)
             slots[rank * phases : (rank + 1) * phases] = run.timer.sums
             values += slots
         reduced = all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
-        total, count = reduced[0], reduced[1]
+        total, count, agreed_due = reduced[0], reduced[1], reduced[2] > 0
         metrics = {"train_loss": total / count if count else math.nan}
-        per_rank = [reduced[2 + r * phases : 2 + (r + 1) * phases] for r in range(world)]
+        per_rank = [reduced[3 + r * phases : 3 + (r + 1) * phases] for r in range(world)]
+    if checkpoint is not None:
+        checkpoint._time_agreed = (run.global_step, agreed_due)
+    run.window_reduced = (metrics, per_rank)
+
+
+_DUE = "_checkpoint_due"  # the saves-by-time flag's name in reduce_metrics' block
+
+
+def log_step(run: Run) -> None:
+    """Log what :func:`reduce_window` reduced at this logging step: the straggler check, the
+    callbacks' ``on_log`` and the loggers. Local."""
+    run.log_pending = False
+    assert run.window_reduced is not None  # reduce_window ran at this step
+    metrics, per_rank = run.window_reduced
+    run.window_reduced = None
     if run.stragglers is not None:
         straggler = run.stragglers.observe(per_rank, steps=run.timer.steps)
         if straggler is not None:

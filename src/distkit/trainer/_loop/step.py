@@ -184,7 +184,10 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
 
     log = run.global_step % run.trainer.log_every_n_steps == 0
     if log:
-        # A checkpoint saved by a step-end callback logs this step's metrics first (_Counters).
+        # The logging step's one collective, before the step-end callbacks: the Trainer's
+        # ModelCheckpoint learns from it whether to save by time. A checkpoint saved by a step-end
+        # callback logs this step's metrics first (_Counters).
+        _logs.reduce_window(run)
         run.log_pending = True
     for cb in run.step_end_callbacks:
         cb.on_train_step_end(run.trainer, loss)
