@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import distkit
-from distkit.trainer import Callback, ModelCheckpoint, Trainer
+from distkit.trainer import Callback, ModelCheckpoint, Trainer, callbacks as callbacks_module
 from distkit.trainer.progress import ProgressLog, _default_progress, _ProgressBar
 
 SCRIPTS = pathlib.Path(__file__).parent / "trainer_scripts"
@@ -385,8 +385,9 @@ def test_time_checkpoints_save_mid_epoch_at_the_same_steps_on_every_rank_and_res
         assert torch.equal(got, want)
 
 
-def skewed_clock_run(directory: str, every_n_minutes: float, skew_s: float) -> list[int]:
-    """2 ranks, 4 steps, a log every 2; rank 1's clock is off by `skew_s` seconds."""
+def skewed_clock_run(directory: str, every_n_minutes: float, skew_s: float) -> tuple[list[int], int]:
+    """2 ranks, 4 steps, a log every 2; rank 1's clock is off by `skew_s` seconds. Returns the
+    saved steps and how many collectives of its own the checkpoint's check made."""
     checkpoint = RecordingCheckpoint(
         skewed_rank=1, skew_s=skew_s, every_n_minutes=every_n_minutes, every_n_epochs=0, keep_last=10
     )
@@ -399,22 +400,34 @@ def skewed_clock_run(directory: str, every_n_minutes: float, skew_s: float) -> l
         enable_progress_bar=False,
         callbacks=[Sleep(0.065, main_only=True), checkpoint],
     )
-    trainer.fit(
-        small_model(),
-        data(),
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        loss_fn=nn.functional.cross_entropy,
-    )
-    return checkpoint.saved
+    own_checks = []
+    any_rank = callbacks_module.any_rank
+
+    def counted(flag: bool) -> bool:
+        own_checks.append(flag)
+        return any_rank(flag)
+
+    callbacks_module.any_rank = counted  # type: ignore[attr-defined]
+    try:
+        trainer.fit(
+            small_model(),
+            data(),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    finally:
+        callbacks_module.any_rank = any_rank  # type: ignore[attr-defined]
+    return checkpoint.saved, len(own_checks)
 
 
 def test_the_main_process_clock_decides_time_checkpoints_when_rank_clocks_disagree(ranks, tmp_path) -> None:
     # Rank 1's clock an hour behind: by its own clock nothing is due, by the main process's every
     # check is (60 ms apart, steps of 65 ms). A decision taken on each rank would leave rank 0
-    # saving alone (a hang or a mismatched collective); every rank saves at steps 2 and 4.
-    assert ranks.run(skewed_clock_run, str(tmp_path / "behind"), 0.001, -3600.0) == [[2, 4]] * 2
+    # saving alone (a hang or a mismatched collective); every rank saves at steps 2 and 4. The
+    # question rides on the logging steps' collective of the training metrics: none of its own.
+    assert ranks.run(skewed_clock_run, str(tmp_path / "behind"), 0.001, -3600.0) == [([2, 4], 0)] * 2
     # Rank 1's clock an hour ahead, an hour between saves: only rank 1 would think one due.
-    assert ranks.run(skewed_clock_run, str(tmp_path / "ahead"), 60.0, 3600.0) == [[]] * 2
+    assert ranks.run(skewed_clock_run, str(tmp_path / "ahead"), 60.0, 3600.0) == [([], 0)] * 2
     assert not (tmp_path / "ahead" / "checkpoints").exists() or not any(
         (tmp_path / "ahead" / "checkpoints").iterdir()
     )
