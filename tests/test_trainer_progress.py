@@ -291,6 +291,11 @@ def test_progress_log_and_time_checkpoint_options_are_checked_with_the_value_and
         ProgressLog(every_n_steps=0)
     with pytest.raises(ValueError, match=r"every_n_minutes must be a number of minutes > 0 .* got -1"):
         ModelCheckpoint(every_n_minutes=-1)
+    # The Trainer drives one checkpoint callback: a second would fail at its first save.
+    with pytest.raises(
+        ValueError, match=r"2 ModelCheckpoint objects \(directories: 'a', default\).*Keep one"
+    ):
+        Trainer(callbacks=[ModelCheckpoint("a"), ModelCheckpoint(every_n_minutes=5)])
     # The default: a long epoch keeps a checkpoint at most about 30 minutes old.
     assert ModelCheckpoint().every_n_minutes == 30.0
     trainer = Trainer(max_epochs=1, logger=False)

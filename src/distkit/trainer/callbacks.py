@@ -180,11 +180,9 @@ class ModelCheckpoint(Callback):
     clocks differ) and one collective shares the decision, at logging steps only
     (``Trainer(log_every_n_steps=...)``, 50 by default): a save comes at the first logging step
     after ``every_n_minutes`` have passed since the previous save (of any kind), or since ``fit``
-    started. The Trainer's own ModelCheckpoint (the first among its callbacks) asks its question in
-    the logging step's collective of the training metrics, before the step-end callbacks run, and
-    costs nothing more; another one makes an all-reduce of one integer per logging step on the CPU
-    group (about 0.1-0.3 ms on gloo; nothing in one process). Then come the saves themselves; pass
-    ``every_n_minutes=None`` to turn it off.
+    started. The question rides on the logging step's collective of the training metrics (made
+    before the step-end callbacks run) and costs nothing more; the saves themselves are the cost.
+    Pass ``every_n_minutes=None`` to turn it off. A Trainer takes one ModelCheckpoint.
 
     Args:
         dirpath: Directory of the checkpoints, local or an fsspec URL (``s3://bucket/run``);
@@ -324,9 +322,9 @@ class ModelCheckpoint(Callback):
 
     def _time_is_due(self, step: int) -> bool:
         """Whether ``every_n_minutes`` have passed on the main process's clock: the same answer on
-        every rank, as the other ranks' clocks take no part. Collective: the Trainer's own
-        ModelCheckpoint gets the answer from the logging step's collective (``_time_agreed``);
-        another one all-reduces a flag, at the same steps on every rank."""
+        every rank, as the other ranks' clocks take no part. The Trainer hands the answer over from
+        its logging step's collective (``_time_agreed``); called at any other step (a hook driven
+        by other code), it all-reduces a flag itself, so it is collective then."""
         agreed = self._time_agreed
         if agreed is not None and agreed[0] == step:
             return agreed[1]

@@ -602,7 +602,19 @@ def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
     for cb in given:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks must be distkit.Callback objects, got {type(cb).__name__}.")
-    if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in given):
+    checkpoints = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
+    if len(checkpoints) > 1:
+        # fit() sets up, resumes from and feeds one; a second would fail at its first save.
+        directories = ", ".join(
+            repr(str(cb.dirpath)) if cb.dirpath is not None else "default" for cb in checkpoints
+        )
+        raise ValueError(
+            f"callbacks hold {len(checkpoints)} ModelCheckpoint objects (directories: {directories}); "
+            f"the Trainer drives one. Keep one and give it every rhythm you need: every_n_epochs, "
+            f"every_n_steps and every_n_minutes combine (ModelCheckpoint(every_n_steps=500, "
+            f"every_n_minutes=30))."
+        )
+    if enable_checkpointing and not checkpoints:
         given.append(ModelCheckpoint())
     return [cb for cb in given if not isinstance(cb, ModelCheckpoint)] + [
         cb for cb in given if isinstance(cb, ModelCheckpoint)
