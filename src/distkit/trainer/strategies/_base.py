@@ -124,8 +124,8 @@ class Strategy:
 
     def sync_buffers(self) -> None:
         """Make every rank's buffers equal after the forward passes of an optimizer step (FSDP:
-        rank 0's; DDP broadcasts them before each forward itself). Collective where it acts, and
-        called each optimizer step only where :attr:`syncs_buffers` says it acts."""
+        rank 0's; DDP broadcasts them before each forward itself). Collective where it acts; the
+        loop calls it each optimizer step only for a strategy that defines it (``syncs_buffers``)."""
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a parameter or gradient (all of it unless the strategy shards)."""
