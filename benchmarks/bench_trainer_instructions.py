@@ -2,7 +2,8 @@
 valgrind's callgrind, the Trainer with every default on against the hand-written loop.
 
 Run by hand (not in CI; needs valgrind):  .venv/bin/python benchmarks/bench_trainer_instructions.py
-[--setups ddp single] [--each] (about 5 minutes on the 2-core machine; 20 with --each).
+[--setups ddp single] [--each] [--repeat N] (about 5 minutes on the 2-core machine; 20 with --each;
+N times as long with --repeat N).
 
 Why. Timing 2 % on 2 ranks that share 2 cores is hopeless (bench_trainer_guard.py's A/A spreads
 reach several percent), but the instructions a thread executes barely depend on the other rank's
@@ -11,7 +12,9 @@ work done by the clock (the progress line, the checkpoint's time check) comes mo
 under valgrind, and a short run beside two busy processes was 1.4 % off. They are not time: cache
 misses and branch mispredictions are not counted, so a ratio here is a floor for the time ratio,
 not the time ratio itself. What the count shows is every Python call, attribute lookup and
-tensor made per step that the hand loop does not make, to about half a percent.
+tensor made per step that the hand loop does not make, to about half a percent: the same code
+counted twice can differ by 10 to 25 K instructions a step, so a change smaller than that needs
+--repeat, which prints each loop's range and the hand loop's A/A.
 
 How. Each loop runs twice in fresh processes, once for ``--short`` steps and once for ``--long``
 steps (after the same 20 warm-up steps, in the same process); rank 0 runs under ``valgrind
@@ -37,6 +40,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,12 +138,13 @@ def _run_rank1(
             rank1.wait()
 
 
-def _count(setup: str, loop: str, steps: int, out: Path) -> int:
-    """Instructions of rank 0's main thread over a whole run of ``steps`` steps."""
+def _count(setup: str, loop: str, steps: int, out: Path, repeat: int = 0) -> int:
+    """Instructions of rank 0's main thread over a whole run of ``steps`` steps (``repeat``: which
+    repetition, for the files' names)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    prefix = out / f"{setup}.{loop}.{steps}"
+    prefix = out / f"{setup}.{loop}.{steps}.{repeat}"
     ready = Path(f"{prefix}.ready")
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", setup, loop, str(steps)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -186,6 +191,13 @@ def main() -> None:
         action="store_true",
         help="also the Trainer with every default off and with each default alone (4 times longer)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="count every loop this many times and print the median and range (default 1); from 2 on "
+        "the hand loop's second count against its first is printed as the A/A",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -203,32 +215,50 @@ def main() -> None:
             f"--long - --short must be at least {_MIN_STEPS} steps for a per-step count to mean "
             f"anything, got {args.long - args.short}"
         )
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     print(
         f"Instructions per step of rank 0's training thread (callgrind; runs of {args.long} and "
-        f"{args.short} steps, their difference / {args.long - args.short})"
+        f"{args.short} steps, their difference / {args.long - args.short}"
+        + (f"; median [range] of {args.repeat} counts)" if args.repeat > 1 else ")")
     )
     loops = ["hand", *(VARIANT_KEYS if args.each else ["all"])]
+    reps = range(args.repeat)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for setup in args.setups:
             print(f"{SETUPS[setup]}:")
-            # Two runs at a time (rank 0 under valgrind is the one busy process of each).
-            runs = [(loop, steps) for loop in loops for steps in (args.short, args.long)]
+            # Two runs at a time (rank 0 under valgrind is the one busy process of each); the
+            # repetitions interleaved, so that a slow spell of the machine falls on every loop.
+            runs = [(loop, steps, rep) for rep in reps for loop in loops for steps in (args.short, args.long)]
             with ThreadPoolExecutor(max_workers=2) as pool:
-                futures = {run: pool.submit(_count, setup, *run, out) for run in runs}
+                futures = {run: pool.submit(_count, setup, run[0], run[1], out, run[2]) for run in runs}
                 counts = {run: future.result() for run, future in futures.items()}
             per_step = {
-                loop: (counts[loop, args.long] - counts[loop, args.short]) / (args.long - args.short)
+                loop: [
+                    (counts[loop, args.long, rep] - counts[loop, args.short, rep]) / (args.long - args.short)
+                    for rep in reps
+                ]
                 for loop in loops
             }
-            hand = per_step["hand"]
+            hand = statistics.median(per_step["hand"])
             for loop in loops:
                 name = "hand-written loop" if loop == "hand" else VARIANT_KEYS[loop]
-                print(
-                    f"  {name:28s} {per_step[loop] / 1e3:8.1f} K a step   ratio to hand "
-                    f"{per_step[loop] / hand:.4f}   ({(per_step[loop] - hand) / 1e3:+.1f} K)",
-                    flush=True,
+                counted = per_step[loop]
+                # Each repetition's ratio against the hand loop of the same repetition.
+                ratios = [c / h for c, h in zip(counted, per_step["hand"], strict=True)]
+                line = (
+                    f"  {name:28s} {statistics.median(counted) / 1e3:8.1f} K a step   ratio to hand "
+                    f"{statistics.median(ratios):.4f}   ({(statistics.median(counted) - hand) / 1e3:+.1f} K)"
                 )
+                if args.repeat > 1:
+                    line += f"   range {min(counted) / 1e3:.1f}-{max(counted) / 1e3:.1f} K"
+                    if loop != "hand":
+                        line += f", ratio {min(ratios):.4f}-{max(ratios):.4f}"
+                print(line, flush=True)
+            if args.repeat > 1:
+                first, second = per_step["hand"][:2]
+                print(f"  {'A/A (hand, 2nd count / 1st)':28s} {second / first:.4f}", flush=True)
 
 
 if __name__ == "__main__":
