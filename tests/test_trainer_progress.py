@@ -296,6 +296,10 @@ def test_progress_log_and_time_checkpoint_options_are_checked_with_the_value_and
         ValueError, match=r"2 ModelCheckpoint objects \(directories: 'a', default\).*Keep one"
     ):
         Trainer(callbacks=[ModelCheckpoint("a"), ModelCheckpoint(every_n_minutes=5)])
+    # A credential in a checkpoint URL stays out of the message.
+    with pytest.raises(ValueError, match=r"directories: 'memory://\*\*\*@bucket/run', 'b'") as refused:
+        Trainer(callbacks=[ModelCheckpoint("memory://AKIA:hunter2@bucket/run"), ModelCheckpoint("b")])
+    assert "hunter2" not in str(refused.value)
     # The default: a long epoch keeps a checkpoint at most about 30 minutes old.
     assert ModelCheckpoint().every_n_minutes == 30.0
     trainer = Trainer(max_epochs=1, logger=False)

@@ -606,7 +606,7 @@ def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
     if len(checkpoints) > 1:
         # fit() sets up, resumes from and feeds one; a second would fail at its first save.
         directories = ", ".join(
-            repr(str(cb.dirpath)) if cb.dirpath is not None else "default" for cb in checkpoints
+            repr(redact_url(str(cb.dirpath))) if cb.dirpath is not None else "default" for cb in checkpoints
         )
         raise ValueError(
             f"callbacks hold {len(checkpoints)} ModelCheckpoint objects (directories: {directories}); "
