@@ -381,6 +381,25 @@ def test_a_correct_job_with_uneven_slow_ranks_never_gets_a_mismatch_or_a_hang_re
     assert [c.get("slow before") for c in counts] == [1] + [None] * (world_size - 1), counts
 
 
+def test_a_process_that_exits_while_the_doctor_connects_to_the_store_exits_with_its_own_code(
+    tmp_path: Path,
+) -> None:
+    """Before, a daemon thread returning from torch's ``store.clone()`` while the interpreter was
+    finalizing aborted the process ("terminate called without an active exception", SIGABRT, a core
+    file) instead of letting it exit with its own code: 3 of 22 runs of ``by_hand_jobs`` on a busy
+    machine had the rank that raised in training_step end so. The exit now waits for the connection
+    (distkit._utils.daemon); without that wait this script aborts every time."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "exit_during_clone.py")],
+        env=_clean_env(tmp_path, {}),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode == 3, (done.returncode, done.stdout + done.stderr)
+    assert "terminate called" not in done.stderr, done.stderr
+
+
 # -- smaller ends of the same kind ------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from distkit._doctor import report as _hang_report, where as _hang_where
 from distkit._doctor.where import BUSY, WAIT
+from distkit._utils import daemon
 from distkit.errors import CollectiveMismatchError, DistkitError
 
 __all__ = ["HANG_EXIT_CODE", "PEER_FAILED_EXIT_CODE"]
@@ -204,9 +205,13 @@ def _clone(store: Any) -> Any:
         except BaseException as err:  # handed to the caller
             box["error"] = err
 
-    thread = threading.Thread(target=connect, name="distkit-store-clone", daemon=True)
-    thread.start()
-    thread.join(_CLONE_S)
+    # A thread the process's exit waits for: one that returns from clone() during the interpreter's
+    # finalization aborts the process (distkit._utils.daemon).
+    thread = daemon.start(connect, "distkit-store-clone", _CLONE_S)
+    try:
+        thread.join(_CLONE_S)
+    finally:
+        daemon.abandon(thread)  # one still retrying a store that does not answer is left behind
     if "error" in box:
         raise box["error"]
     if "store" not in box:
@@ -563,6 +568,11 @@ class Doctor:
                 self._watchdog.join(_THREAD_STOP_S)
                 self._watchdog = None
             if timeout is not None and self.available and not self._stopping:
+                # The watchdog's connection to the store, made here and not on its thread, so that
+                # a rank ending early does not exit while the watchdog is still connecting
+                # (distkit._utils.daemon). Without one the watchdog stays idle (_watch).
+                with contextlib.suppress(Exception):
+                    self._side_store()
                 self._watch_stop = threading.Event()
                 self._watchdog = threading.Thread(
                     target=self._watch, args=(self._watch_stop,), name="distkit-hang-watchdog", daemon=True

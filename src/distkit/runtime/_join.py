@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distkit._doctor import doctor as _hang
+from distkit._utils import daemon
 from distkit.env import LaunchEnv, detect_env
 from distkit.errors import CollectiveTimeoutError, DistkitError
 from distkit.runtime import _state
@@ -170,15 +171,17 @@ def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
         except BaseException as err:
             box["error"] = err
 
-    thread = threading.Thread(target=connect, name="distkit-store-connect", daemon=True)
-    thread.start()
+    thread = daemon.start(connect, "distkit-store-connect", timeout_s)  # see distkit._utils.daemon
     start = time.monotonic()
-    while thread.is_alive() and (waited := time.monotonic() - start) < timeout_s:
-        thread.join(min(0.5, timeout_s - waited))
-        # A refused connection is rank 0 not up yet: wait up to timeout_s. A port that accepts and
-        # stays silent this long is not a store (a real one answers within milliseconds).
-        if thread.is_alive() and time.monotonic() - start >= _SILENT_STORE_S and _accepts(env):
-            break
+    try:
+        while thread.is_alive() and (waited := time.monotonic() - start) < timeout_s:
+            thread.join(min(0.5, timeout_s - waited))
+            # A refused connection is rank 0 not up yet: wait up to timeout_s. A port that accepts
+            # and stays silent this long is not a store (a real one answers within milliseconds).
+            if thread.is_alive() and time.monotonic() - start >= _SILENT_STORE_S and _accepts(env):
+                break
+    finally:
+        daemon.abandon(thread)
     if "store" in box:
         return box["store"]  # type: ignore[no-any-return]
     if "error" in box:
