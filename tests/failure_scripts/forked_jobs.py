@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 import torch  # noqa: F401  (imported once, before the forks)
+# DistributedDataParallel's constructor imports torch._dynamo on its first use: about 0.9 s of
+# CPU per rank, half of test_failure_exit's wall time for its thirty ranks here.
+import torch._dynamo  # noqa: F401
 
 import distkit  # noqa: F401
 
