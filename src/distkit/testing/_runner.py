@@ -189,7 +189,10 @@ def _context() -> BaseContext:
     # not running yet; modules already asked for by someone else are kept.
     from multiprocessing import forkserver
 
-    wanted = [*_worker.FORKSERVER_PRELOAD, "distkit.testing._worker"]
+    # torch._dynamo too: DistributedDataParallel's constructor imports it on its first use, about
+    # 0.9 s of CPU in every rank that wraps a model (not in a rank's own forkserver: DataLoader
+    # workers never build one).
+    wanted = [*_worker.FORKSERVER_PRELOAD, "torch._dynamo", "distkit.testing._worker"]
     if "pytest" in sys.modules:
         wanted.append("pytest")
     current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
