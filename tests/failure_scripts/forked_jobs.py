@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch  # noqa: F401  (imported once, before the forks)
-# DistributedDataParallel's constructor imports torch._dynamo on its first use: about 0.9 s of
-# CPU per rank, half of test_failure_exit's wall time for its thirty ranks here.
+# torch is imported once, before the forks; torch._dynamo with it, which the constructor of
+# DistributedDataParallel imports on its first use: about 0.9 s of CPU per rank, half of
+# test_failure_exit's wall time for its thirty ranks here.
 import torch._dynamo  # noqa: F401
 
 import distkit  # noqa: F401
