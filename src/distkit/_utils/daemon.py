@@ -9,14 +9,16 @@ returning from a torch call that released the GIL, the unwinding passes through 
 guard, whose destructor may not throw, and the whole process aborts: "terminate called without
 an active exception", SIGABRT and a core file, instead of the exit code the script chose. It
 happened to a rank that raised early in ``fit`` while the hang doctor's second store connection
-was still being made on a busy machine (3 of 22 runs of tests/test_failure_exit.py's jobs).
+was still being made on a busy machine (3 of 22 runs of tests/test_failure_exit.py's jobs, their
+ranks forked with torch._dynamo imported).
 
 So :func:`start` keeps its threads, and at exit (an ``atexit`` hook, which runs before the
 finalization) the process waits for each one whose caller still waits for it, up to that
-caller's deadline: a connection to a live store answers within milliseconds, and one to a store
-whose host just ended fails about as fast. A caller that stops waiting (it has its answer, its
-deadline passed, or an exception interrupted it) :func:`abandon`-s the thread, which is then not
-waited for: it is stuck retrying a dead or silent peer.
+caller's deadline: a connection to a live store answers within milliseconds, one whose peer
+ends while it waits fails as fast, and one that keeps retrying is waited for no longer than its
+caller would. A caller that stops waiting (it has its answer, its deadline passed, or an
+exception interrupted it) :func:`abandon`-s the thread, which is then not waited for: it is
+stuck retrying a dead or silent peer and does not come back during the finalization.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ def start(target: Callable[[], None], name: str, deadline_s: float) -> threading
             atexit.register(_wait_at_exit)
             _hooked = True
         _running[thread] = time.monotonic() + deadline_s
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        abandon(thread)  # never started: nothing to wait for (the exit would fail to join it)
+        raise
     return thread
 
 
