@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -464,6 +465,36 @@ def test_only_a_distkit_save_that_did_not_finish_is_called_one(tmp_path: Path) -
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointCorruptError, match=r"an empty directory, with no manifest\.json"):
         distkit.load_checkpoint(tmp_path / "empty")
+
+
+def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_its_highest_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A natural slip: the directory of the run's checkpoints instead of one of them.
+    directory = tmp_path / "checkpoints"
+    manager = distkit.CheckpointManager(directory)
+    for step in (9, 10):
+        manager.save(step, {"w": torch.full((2,), float(step))})
+    newest = f"{directory}/step_000000010"
+    state = {"w": torch.zeros(2)}
+    with pytest.raises(ForeignCheckpointError) as caught:
+        distkit.load_checkpoint(directory, state)
+    message = str(caught.value)
+    assert caught.value.kind == "manager", message
+    assert message.startswith(
+        f"{directory} is not one checkpoint: it is a CheckpointManager directory holding 2 step "
+        f"checkpoint(s) (step_000000009, step_000000010)"
+    ), message
+    assert f"distkit.load_checkpoint('{newest}', state)" in message
+    assert f"`distkit checkpoint list {directory}`" in message
+    assert "no checkpoint distkit knows" not in message
+    assert torch.equal(state["w"], torch.zeros(2))  # nothing was loaded
+    distkit.load_checkpoint(newest, state)  # what the message says works
+    assert torch.equal(state["w"], torch.full((2,), 10.0))
+    assert main(["checkpoint", "inspect", str(directory)]) == 1
+    assert f"`distkit checkpoint inspect {newest}`" in capsys.readouterr().err
+    with pytest.raises(ForeignCheckpointError, match=re.escape(f"Trainer(resume='{newest}')")):
+        resume_fit(str(tmp_path / "run"), str(directory), "single")
 
 
 def test_a_dcp_checkpoint_of_another_model_is_refused_before_loading_and_strict_false_loads_what_fits(

@@ -48,14 +48,16 @@ class ForeignCheckpointError(DistkitError):
     Raised where a distkit checkpoint is needed and the path is something else, instead of calling it
     damaged: an Accelerate ``save_state`` directory, a Lightning ``.ckpt`` file, a
     ``torch.distributed.checkpoint`` directory (torchtitan's ``step-N``) where only a distkit
-    checkpoint will do (``consolidate``, ``inspect``), or a :class:`CheckpointManager` directory that
-    holds such checkpoints and no distkit one. The message says what the path looks like and the
+    checkpoint will do (``consolidate``, ``inspect``), a :class:`CheckpointManager` directory that
+    holds such checkpoints and no distkit one, or a :class:`CheckpointManager` directory given where
+    one of its checkpoints is needed. The message says what the path looks like and the
     command that loads or converts it.
 
     Attributes:
         path: The path (a URL without the credentials it may carry).
         kind: What was recognized, for programs: ``"dcp"``, ``"accelerate"``, ``"lightning"``,
-            ``"lightning-sharded"``, ``"hf-sharded"`` or ``"unknown"``.
+            ``"lightning-sharded"``, ``"hf-sharded"``, ``"manager"`` (a :class:`CheckpointManager`
+            directory, whose ``step_<N>`` checkpoints are distkit's: pass one of them) or ``"unknown"``.
         layout: The same, in words, e.g. ``"an Accelerate save_state directory (model.safetensors,
             optimizer.bin)"``.
         fix: How to load or convert it.

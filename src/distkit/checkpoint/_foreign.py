@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError, ForeignCheckpointError
-from distkit.checkpoint._format import _DCP_METADATA_FILE, _MANIFEST_FILE, _STATE_FILE, _is_own_file
+from distkit.checkpoint._format import _DCP_METADATA_FILE, _MANIFEST_FILE, _STATE_FILE, _STEP_RE, _is_own_file
 from distkit.errors import DistkitError
 
 # The files of Accelerate's save_state (accelerate/utils/constants.py and checkpointing.py): the
@@ -145,6 +145,28 @@ def _unknown(names: set[str] | frozenset[str]) -> _Layout:
     )
 
 
+def _manager_directory(path: str, names: set[str] | frozenset[str]) -> ForeignCheckpointError | None:
+    """The error for a :class:`CheckpointManager` directory (``step_<N>`` sub-directories) passed
+    where one checkpoint is needed, naming its highest step's checkpoint; ``None`` for another
+    directory."""
+    steps = sorted((int(found.group(1)), name) for name in names if (found := _STEP_RE.match(name)))
+    if not steps:
+        return None
+    shown = redact_url(path)
+    newest = f"{shown.rstrip('/')}/{steps[-1][1]}"
+    listed = _shown_names(name for _, name in steps)
+    fix = (
+        f"pass one of them, e.g. the highest step's: distkit.load_checkpoint({newest!r}, state), "
+        f"Trainer(resume={newest!r}) or `distkit checkpoint inspect {newest}`. "
+        f"CheckpointManager({shown!r}).restore(state) restores the newest complete one (as "
+        f"Trainer(resume='auto') does from its own checkpoints), and `distkit checkpoint list {shown}` "
+        f"lists them"
+    )
+    layout = f"a CheckpointManager directory holding {len(steps)} step checkpoint(s) ({listed})"
+    message = f"{shown} is not one checkpoint: it is {layout}. {fix[:1].upper()}{fix[1:]}."
+    return ForeignCheckpointError(path, "manager", layout, fix, message=message)
+
+
 def _pickle_strings(path: str) -> set[str] | None:
     """The strings named in the pickle of a ``torch.save`` file at ``path`` (local), read opcode by
     opcode without unpickling anything; ``None`` when it is not such a file or cannot be read."""
@@ -209,6 +231,9 @@ def _without_manifest(path: str, names: set[str]) -> DistkitError:
         return CheckpointCorruptError(
             path, f"it is an empty directory, with no {_MANIFEST_FILE}: nothing was saved in it"
         )
+    manager = _manager_directory(path, names)
+    if manager is not None:
+        return manager
     if _looks_unfinished(names):
         return CheckpointCorruptError(
             path,
