@@ -495,6 +495,18 @@ def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_it
     assert f"`distkit checkpoint inspect {newest}`" in capsys.readouterr().err
     with pytest.raises(ForeignCheckpointError, match=re.escape(f"Trainer(resume='{newest}')")):
         resume_fit(str(tmp_path / "run"), str(directory), "single")
+    # The run's directory (the Trainer's default_root_dir) instead of its checkpoints sub-directory.
+    (tmp_path / "metrics.csv").write_text("step\n")
+    with pytest.raises(ForeignCheckpointError) as caught:
+        distkit.load_checkpoint(tmp_path, state)
+    message = str(caught.value)
+    assert caught.value.kind == "manager" and caught.value.path == str(tmp_path), message
+    assert message.startswith(
+        f"{tmp_path} is not one checkpoint: it looks like a Trainer run directory (checkpoints, "
+        f"checkpoints.distkit-lock, metrics.csv) whose checkpoints are in {directory}, 2 step checkpoint(s)"
+    ), message
+    assert f"distkit.load_checkpoint('{newest}', state)" in message
+    assert f"Trainer(default_root_dir='{tmp_path}', resume='auto') continues that run" in message
 
 
 def test_a_dcp_checkpoint_of_another_model_is_refused_before_loading_and_strict_false_loads_what_fits(

@@ -564,7 +564,11 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
             f"holding {_STATE_FILE} and {_MANIFEST_FILE}. Pass that directory (a file written by "
             f"torch.save loads with torch.load(path, weights_only=True))",
         )
-    raise _without_manifest(path, storage.contents(path) or set())
+    names = storage.contents(path) or set()
+    # A Trainer run's default_root_dir: its checkpoints are a CheckpointManager directory inside.
+    inner = _join(path, "checkpoints") if "checkpoints" in names else None
+    run_checkpoints = None if inner is None else (inner, storage.contents(inner) or set())
+    raise _without_manifest(path, names, run_checkpoints=run_checkpoints)
 
 
 def _verify(storage: _Storage, path: str, *, checksums: bool) -> dict[str, Any]:

@@ -145,16 +145,20 @@ def _unknown(names: set[str] | frozenset[str]) -> _Layout:
     )
 
 
-def _manager_directory(path: str, names: set[str] | frozenset[str]) -> ForeignCheckpointError | None:
-    """The error for a :class:`CheckpointManager` directory (``step_<N>`` sub-directories) passed
-    where one checkpoint is needed, naming its highest step's checkpoint; ``None`` for another
-    directory."""
+def _manager_directory(
+    path: str, names: set[str] | frozenset[str], *, run: tuple[str, set[str]] | None = None
+) -> ForeignCheckpointError | None:
+    """The error for a :class:`CheckpointManager` directory (``step_<N>`` sub-directories) at ``path``
+    passed where one checkpoint is needed, naming its highest step's checkpoint; ``None`` for another
+    directory. ``run``: the directory that was passed and its names, when it is a Trainer run's
+    ``default_root_dir`` whose ``checkpoints`` sub-directory is ``path``."""
     steps = sorted((int(found.group(1)), name) for name in names if (found := _STEP_RE.match(name)))
     if not steps:
         return None
     shown = redact_url(path)
     newest = f"{shown.rstrip('/')}/{steps[-1][1]}"
     listed = _shown_names(name for _, name in steps)
+    holding = f"{len(steps)} step checkpoint(s) ({listed})"
     fix = (
         f"pass one of them, e.g. the highest step's: distkit.load_checkpoint({newest!r}, state), "
         f"Trainer(resume={newest!r}) or `distkit checkpoint inspect {newest}`. "
@@ -162,9 +166,17 @@ def _manager_directory(path: str, names: set[str] | frozenset[str]) -> ForeignCh
         f"Trainer(resume='auto') does from its own checkpoints), and `distkit checkpoint list {shown}` "
         f"lists them"
     )
-    layout = f"a CheckpointManager directory holding {len(steps)} step checkpoint(s) ({listed})"
-    message = f"{shown} is not one checkpoint: it is {layout}. {fix[:1].upper()}{fix[1:]}."
-    return ForeignCheckpointError(path, "manager", layout, fix, message=message)
+    if run is None:
+        layout = f"a CheckpointManager directory holding {holding}"
+        message = f"{shown} is not one checkpoint: it is {layout}. {fix[:1].upper()}{fix[1:]}."
+        return ForeignCheckpointError(path, "manager", layout, fix, message=message)
+    given, given_names = redact_url(run[0]), run[1]
+    layout = (
+        f"a Trainer run directory ({_shown_names(given_names)}) whose checkpoints are in {shown}, {holding}"
+    )
+    fix += f"; Trainer(default_root_dir={given!r}, resume='auto') continues that run"
+    message = f"{given} is not one checkpoint: it looks like {layout}. {fix[:1].upper()}{fix[1:]}."
+    return ForeignCheckpointError(run[0], "manager", layout, fix, message=message)
 
 
 def _pickle_strings(path: str) -> set[str] | None:
@@ -220,10 +232,13 @@ def _foreign_checkpoints(listing: Mapping[str, set[str]], top: Iterable[str]) ->
     return sorted(found, key=lambda item: (item[0] == "last.ckpt", _step_of(item[0]), item[0]), reverse=True)
 
 
-def _without_manifest(path: str, names: set[str]) -> DistkitError:
+def _without_manifest(
+    path: str, names: set[str], *, run_checkpoints: tuple[str, set[str]] | None = None
+) -> DistkitError:
     """Why the directory ``path``, holding ``names`` and no manifest, is not a checkpoint distkit can
     load: another tool's checkpoint, a distkit save that did not finish, or something else (issue 28:
-    only the second is "a save that did not finish")."""
+    only the second is "a save that did not finish"). ``run_checkpoints``: the path and names of its
+    ``checkpoints`` sub-directory, when it has one (a Trainer run's ``default_root_dir``)."""
     layout = _identify_directory(names)
     if layout is not None:
         return layout.error(path)
@@ -232,6 +247,8 @@ def _without_manifest(path: str, names: set[str]) -> DistkitError:
             path, f"it is an empty directory, with no {_MANIFEST_FILE}: nothing was saved in it"
         )
     manager = _manager_directory(path, names)
+    if manager is None and run_checkpoints is not None:
+        manager = _manager_directory(*run_checkpoints, run=(path, names))
     if manager is not None:
         return manager
     if _looks_unfinished(names):
