@@ -507,6 +507,12 @@ def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_it
     ), message
     assert f"distkit.load_checkpoint('{newest}', state)" in message
     assert f"Trainer(default_root_dir='{tmp_path}', resume='auto') continues that run" in message
+    notes = tmp_path / "notes"  # a file named checkpoints is no run's checkpoint directory
+    notes.mkdir()
+    (notes / "checkpoints").write_text("not a directory")
+    with pytest.raises(ForeignCheckpointError, match=r"a directory of other files \(checkpoints\)") as caught:
+        distkit.load_checkpoint(notes, state)
+    assert caught.value.kind == "unknown"
 
 
 def test_a_dcp_checkpoint_of_another_model_is_refused_before_loading_and_strict_false_loads_what_fits(

@@ -566,8 +566,12 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
         )
     names = storage.contents(path) or set()
     # A Trainer run's default_root_dir: its checkpoints are a CheckpointManager directory inside.
-    inner = _join(path, "checkpoints") if "checkpoints" in names else None
-    run_checkpoints = None if inner is None else (inner, storage.contents(inner) or set())
+    inner = _join(path, "checkpoints")
+    run_checkpoints = (
+        (inner, storage.contents(inner) or set())
+        if "checkpoints" in names and storage.kind(inner) == "dir"
+        else None
+    )
     raise _without_manifest(path, names, run_checkpoints=run_checkpoints)
 
 
