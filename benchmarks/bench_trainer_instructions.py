@@ -2,8 +2,8 @@
 valgrind's callgrind, the Trainer with every default on against the hand-written loop.
 
 Run by hand (not in CI; needs valgrind):  .venv/bin/python benchmarks/bench_trainer_instructions.py
-[--setups ddp single] [--each] [--repeat N] (about 5 minutes on the 2-core machine; 20 with --each;
-N times as long with --repeat N).
+[--setups ddp single fsdp] [--each] [--repeat N] (about 5 minutes on the 2-core machine for ddp and
+single, 5 more for fsdp; 4 times as long with --each; N times as long with --repeat N).
 
 Why. Timing 2 % on 2 ranks that share 2 cores is hopeless (bench_trainer_guard.py's A/A spreads
 reach several percent), but the instructions a thread executes barely depend on the other rank's
@@ -26,10 +26,16 @@ threads (gloo's, OpenBLAS's) are left out: they spin and wait for the other rank
 vary from run to run.
 
 The workloads are bench_trainer_guard.py's tiny MLP (batch 32): DDP on 2 gloo ranks against seed
-002's DDP loop, and one process against the same loop without DDP. The Trainer has its real
-defaults (CSV logger, ModelCheckpoint, progress lines, hang doctor, straggler timing), with the hang
-doctor's timeout set long (callgrind slows rank 0 about fifty-fold, which the adaptive timeout would
-otherwise take for a hang).
+002's DDP loop, one process against the same loop without DDP, and (``--setups fsdp``, not run by
+default) FSDP2 on 2 gloo ranks against the same loop over the model with ``fully_shard`` on each
+Linear and then on the root, as ``FSDPStrategy(unit_classes=nn.Linear)`` shards it (a fresh model
+each run, as FSDP shards in place). The guard's FSDP line uses the medium MLP, whose step callgrind
+takes over ten seconds to run: the tiny one shows the same extra work of the Trainer against a much
+smaller step. Its counts vary more from run to run than DDP's (FSDP2's hooks make many Python objects
+a step, so a full garbage collection falls at a different step in each run): use ``--repeat 3``.
+The Trainer has its real defaults (CSV logger, ModelCheckpoint, progress lines, hang doctor,
+straggler timing), with the hang doctor's timeout set long (callgrind slows rank 0 about fifty-fold,
+which the adaptive timeout would otherwise take for a hang).
 """
 
 from __future__ import annotations
@@ -52,7 +58,12 @@ HERE = Path(__file__).resolve().parent
 WARMUP = 20
 _MIN_STEPS = 500  # the least difference of steps between the two runs (see main)
 _DEADLINE_S = 1800  # for each process of a run; a run takes about two minutes here
-SETUPS = {"ddp": "DDP, 2 gloo ranks, tiny MLP", "single": "one process, tiny MLP"}
+SETUPS = {
+    "ddp": "DDP, 2 gloo ranks, tiny MLP",
+    "single": "one process, tiny MLP",
+    "fsdp": "FSDP2, 2 gloo ranks, tiny MLP (each Linear a unit)",
+}
+DEFAULT_SETUPS = ["ddp", "single"]
 # Short names of bench_trainer_defaults.VARIANTS (the Trainer with its defaults switched on).
 VARIANT_KEYS = {
     "all": "Trainer, defaults (all on)",
@@ -72,13 +83,13 @@ def _worker(setup: str, loop: str, steps: int, rank: int, port: int, ready: str)
 
     sys.path.insert(0, str(HERE))
     from bench_trainer import MODELS, _loader, _seeded
-    from bench_trainer_defaults import VARIANTS, _hand_block, _trainer_block
+    from bench_trainer_defaults import VARIANTS, _fsdp_model, _hand_block, _trainer_block
 
     torch.set_num_threads(1)
-    strategy = "ddp" if setup == "ddp" else "single"
+    strategy = setup
     import distkit
 
-    if setup == "ddp":
+    if setup != "single":
         if rank == 0:
             Path(ready).touch()
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -97,11 +108,14 @@ def _worker(setup: str, loop: str, steps: int, rank: int, port: int, ready: str)
                 loader = torch.utils.data.DataLoader(
                     loader.dataset, batch_size=batch_size, sampler=list(range(batch_size * n))
                 )
+            if setup == "fsdp":  # FSDP shards a model in place: a fresh one each run
+                model = _fsdp_model(factory) if loop == "hand" else _seeded(factory)
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
             if loop == "hand":
                 _hand_block(model, optimizer, loader, strategy)
             else:
                 _trainer_block(model, optimizer, loader, VARIANTS[VARIANT_KEYS[loop]], strategy, root)
-    if setup == "ddp":
+    if setup != "single":
         distkit.barrier()
         distkit.shutdown()
 
@@ -159,7 +173,7 @@ def _count(setup: str, loop: str, steps: int, out: Path, repeat: int = 0) -> int
         command = [*valgrind, *me, "0", str(port), str(ready)]
         rank0 = subprocess.Popen(command, env=env, stdout=stderr, stderr=stderr)
     try:
-        if setup == "ddp":
+        if setup != "single":
             _run_rank1(prefix.name, rank0, [*me, "1", str(port), str(ready)], env, ready, log)
         if rank0.wait(timeout=_DEADLINE_S) != 0:
             raise SystemExit(
@@ -183,7 +197,13 @@ def _count(setup: str, loop: str, steps: int, out: Path, repeat: int = 0) -> int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        choices=list(SETUPS),
+        default=DEFAULT_SETUPS,
+        help=f"which workloads (default: {' '.join(DEFAULT_SETUPS)})",
+    )
     parser.add_argument("--short", type=int, default=100, help="steps of the short run (default 100)")
     parser.add_argument("--long", type=int, default=700, help="steps of the long run (default 700)")
     parser.add_argument(
