@@ -239,6 +239,51 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             None,
             ["missing required value model.hidden (type int, no default)", "--model.hidden VALUE"],
         ),
+        # One-character slips in a class path: the class meant is named.
+        (
+            ["--model.hidden", "4", "--optimizer", "torch.optim.Adamw"],
+            None,
+            [
+                "optimizer: torch.optim.Adamw names no class (module torch.optim has no attribute 'Adamw')",
+                "Did you mean torch.optim.AdamW?",
+                "Set optimizer on the command line (--optimizer CLASS)",
+            ],
+        ),
+        (
+            ["--model.hidden", "4", "--lr_scheduler", "StepLr"],
+            None,
+            [
+                "lr_scheduler: StepLr names no class (no subclass of torch.optim.lr_scheduler.LRScheduler "
+                "is named 'StepLr')",
+                "Did you mean torch.optim.lr_scheduler.StepLR?",
+            ],
+        ),
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optimm.SGD", "init_args": {"lr": 0.1}}},
+            [
+                "optimizer: torch.optimm.SGD names no class (module torch has no attribute 'optimm')",
+                "Did you mean torch.optim.SGD?",
+                "Fix optimizer in",
+                "bad.yaml",
+            ],
+        ),
+        (
+            ["--model.hidden", "4", "--trainer.callbacks+=EarlyStoping"],
+            None,
+            ["trainer.callbacks: EarlyStoping names no class", "Did you mean distkit.EarlyStopping?"],
+        ),
+        # Values the Trainer refuses: the key, where it was given, the fix; no traceback.
+        (
+            ["--model.hidden", "4", "--trainer.strategy", "dpp"],
+            None,
+            ["trainer.strategy: strategy must be one of", "got 'dpp'", "--trainer.strategy VALUE"],
+        ),
+        (
+            ["--model.hidden", "4"],
+            {"trainer": {"max_epochs": 0}},
+            ["trainer.max_epochs: max_epochs must be >= 1, got 0.", "Fix trainer.max_epochs in", "bad.yaml"],
+        ),
     ],
     ids=[
         "unknown-cli",
@@ -248,6 +293,12 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "wrong-type-in-file",
         "wrong-type-init-arg",
         "missing",
+        "class-typo-cli",
+        "class-name-typo",
+        "class-module-typo-in-file",
+        "callback-typo",
+        "trainer-refuses-cli",
+        "trainer-refuses-in-file",
     ],
 )
 def test_bad_input_names_the_key_the_value_and_what_was_expected(
@@ -263,7 +314,7 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected(
         make_cli(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "error: " in err
+    assert "error: " in err and "Traceback" not in err
     for part in expected:
         assert part in err, (part, err)
 

@@ -198,7 +198,7 @@ class TrainerCLI:
         argv = list(sys.argv[1:] if args is None else args)
         self.config = self._parse(argv)
         self.run_config = self._resolved(self.config)
-        self._build()
+        self._build(argv)
         if run:
             self.fit()
 
@@ -332,7 +332,7 @@ class TrainerCLI:
     # ------------------------------------------------------------------------------------------
     # Building
 
-    def _build(self) -> None:
+    def _build(self, argv: list[str]) -> None:
         trainer_args = self.config.trainer
         seed = getattr(trainer_args, "seed", None)
         if seed is not None:
@@ -347,7 +347,12 @@ class TrainerCLI:
         self.optimizer = init.optimizer
         self.lr_scheduler = init.lr_scheduler
         self.scheduler_interval = init.scheduler_interval
-        self.trainer = Trainer(**_namespace_dict(init.trainer))
+        try:
+            self.trainer = Trainer(**_namespace_dict(init.trainer))
+        except (ValueError, TypeError) as err:
+            # The Trainer's own checks of its options (a value out of range, an unknown strategy):
+            # a slip in the config or on the command line, said as one, not as a traceback.
+            self._fail(_config_errors.explain_trainer_option(self.parser, err, argv), _launch_env(), argv)
         # The Trainer carries it to fit's set-up (and to the processes fit starts): saved as
         # config.yaml, logged as hparams, compared on resume and across ranks.
         self.trainer.run_config = self.run_config

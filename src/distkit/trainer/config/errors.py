@@ -5,6 +5,7 @@ config's class paths name only subclasses of the declared bases (a config is dat
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import difflib
 import functools
 import importlib
@@ -75,6 +76,11 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
         if value_text is not None:  # a nested error ends with the whole namespace: keep the value
             value_text = value_text.split(". Got value:")[0]
         action = actions.get(key)
+        if value_text is None:
+            value_text = _value_on_command_line(argv, key)
+        unresolved = _unresolved_class(key, value_text, action, argv)
+        if unresolved is not None:
+            return f"{unresolved} {fix}"
         expected = _expected(action) if action is not None else _expected_from_text(text)
         shown = f"{value_text!r}" if value_text is not None else "the value given"
         return (
@@ -82,6 +88,109 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
             f"a --config file. {fix}"
         )
     return f"{_tidy(text)}\n{fix}"
+
+
+def explain_trainer_option(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
+    """The Trainer's refusal of an option's value (``max_epochs must be >= 1, got -1.``), said as a
+    configuration error: which ``trainer.*`` key, where it was given and how to change it."""
+    keys = {a.dest[len("trainer.") :] for a in parser._actions if a.dest.startswith("trainer.")}
+    named = [name for name in re.findall(r"[A-Za-z_]\w*", str(err)) if name in keys]
+    if not named:
+        return f"invalid trainer options: {err} --help lists every option with its type and default."
+    key = f"trainer.{named[0]}"
+    where = _where_to_fix(argv, key, "VALUE")
+    return f"{key}: {err} {where} --help lists every option with its type and default."
+
+
+def _where_to_fix(argv: list[str], key: str, metavar: str) -> str:
+    """Where to change ``key``: the config file that set it, unless the command line did."""
+    _, in_file = _value_in_config_files(argv, key)
+    if in_file is not None and _value_on_command_line(argv, key) is None:
+        return f"Fix {key} in {in_file}, or set it on the command line (--{key} {metavar})."
+    return f"Set {key} on the command line (--{key} {metavar}) or in a --config file."
+
+
+def _value_on_command_line(argv: list[str], key: str) -> str | None:
+    """The last value ``argv`` gives ``--key`` (``--key VALUE``, ``--key=VALUE`` or ``--key+=VALUE``)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == f"--{key}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith((f"--{key}=", f"--{key}+=")):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _unresolved_class(key: str, value: str | None, action: Any, argv: list[str]) -> str | None:
+    """Why the class path in ``value`` (given for ``key``, typed by ``action``) names no class, with
+    the closest name that does (a one-character slip: ``Adamw`` for ``AdamW``); ``None`` when the
+    value names a class or is no class path."""
+    if value is None or action is None:
+        return None
+    quoted = re.findall(r"class_path='([^']+)'", value)
+    path = quoted[0] if quoted else value.strip().strip("'\"")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", path):
+        return None
+    hint = getattr(action, "_typehint", None) or action.type
+    bases = _bases(hint) or _bases(_item_hint(hint))
+    if not bases or resolve(path, bases) is not None:
+        return None
+    why = _missing_part(path) or f"no subclass of {_names(bases)} is named {path!r}"
+    close = _closest_class(path, bases)
+    advice = (
+        f"Did you mean {close}?" if close else f"Give a subclass of {_names(bases)} (a name or import path)."
+    )
+    return f"{key}: {path} names no class ({why}). {advice} {_where_to_fix(argv, key, 'CLASS')}"
+
+
+def _missing_part(path: str) -> str | None:
+    """What of the dotted ``path`` does not exist: ``module torch.optim has no attribute 'Adamw'``."""
+    if "." not in path:
+        return None
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            target: Any = importlib.import_module(module)
+        except ImportError:
+            continue
+        name = module
+        for part in parts[cut:]:
+            if not hasattr(target, part):
+                return f"{'module ' if inspect.ismodule(target) else ''}{name} has no attribute {part!r}"
+            target, name = getattr(target, part), f"{name}.{part}"
+        return None
+    return f"no module named {parts[0]!r}"
+
+
+def _closest_class(path: str, bases: tuple[type, ...]) -> str | None:
+    """The import path of the subclass of ``bases`` whose name is closest to ``path``'s last part
+    (the same name in another case first), if one is close."""
+    name = path.rsplit(".", 1)[-1]
+    found: dict[str, type] = {}
+    for base in bases:
+        for cls in _subclasses(base):
+            if not cls.__name__.startswith("_"):
+                found.setdefault(cls.__name__, cls)
+    same = [cls for known, cls in found.items() if known.lower() == name.lower()]
+    if same:
+        return public_path(same[0])
+    close = difflib.get_close_matches(name, list(found), n=1, cutoff=0.75)
+    return public_path(found[close[0]]) if close else None
+
+
+def _subclasses(base: type) -> list[type]:
+    """``base`` and its subclasses, as far as they are imported."""
+    seen: dict[type, None] = {}  # in the order found
+    stack = [base]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen[cls] = None
+        with contextlib.suppress(TypeError):  # type.__subclasses__ needs an argument
+            stack.extend(cls.__subclasses__())
+    return list(seen)
 
 
 def _unknown(key: str, value: Any, actions: Mapping[str, Any], where: str, fix: str, detail: str = "") -> str:
@@ -557,20 +666,7 @@ def resolve(path: str, bases: tuple[type, ...]) -> Any:
 
 
 def _subclass_named(base: type, name: str) -> type | None:
-    seen: set[type] = set()
-    stack = [base]
-    while stack:
-        cls = stack.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        if cls.__name__ == name:
-            return cls
-        try:
-            stack.extend(cls.__subclasses__())
-        except TypeError:
-            continue
-    return None
+    return next((cls for cls in _subclasses(base) if cls.__name__ == name), None)
 
 
 def public_path(obj: Any) -> str:
