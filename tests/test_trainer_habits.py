@@ -180,6 +180,30 @@ def test_ckpt_path_best_without_a_monitor_or_a_checkpoint_says_why(tmp_path: Pat
         off.validate(_model(), _data(16), ckpt_path="last", loss_fn=nn.functional.cross_entropy)
 
 
+def test_a_slip_of_auto_last_or_best_is_named_not_searched_for_as_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for slip in ("atuo", "Auto", "aut"):
+        with pytest.raises(
+            ValueError,
+            match=rf"resume='{slip}' is neither 'auto' nor an existing .* "
+            r"Did you mean resume='auto'\?",
+        ):
+            _trainer(tmp_path, resume=slip)
+    trainer = _trainer(tmp_path, max_epochs=1, batch_size=16)
+    with pytest.raises(ValueError, match=r"Did you mean ckpt_path='last'\?"):
+        _fit(trainer, _model(), ckpt_path="lats")
+    with pytest.raises(ValueError, match=r"Did you mean ckpt_path='best'\?"):
+        trainer.validate(_model(), _data(16), ckpt_path="Best", loss_fn=nn.functional.cross_entropy)
+    assert trainer.global_step == 0  # nothing ran
+    # A path that exists is a path, whatever its name; one far from the words is looked for.
+    (tmp_path / "atuo").mkdir()
+    assert _trainer(tmp_path, resume="atuo").resume == "atuo"
+    with pytest.raises(FileNotFoundError, match="checkpoint not found: runs/old does not exist"):
+        _fit(_trainer(tmp_path, max_epochs=1, batch_size=16), _model(), ckpt_path="runs/old")
+
+
 def fit_then_save(root: str, path: str) -> list[float]:
     trainer = _trainer(root, max_epochs=1, batch_size=8, enable_checkpointing=False)
     model = _model()

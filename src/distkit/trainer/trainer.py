@@ -119,7 +119,9 @@ class Trainer:
             file); ``False``: neither.
         default_root_dir: Directory of logs and checkpoints.
         resume: ``"auto"`` to continue from the latest valid checkpoint when there is one, a
-            checkpoint path, or ``None`` to start fresh.
+            checkpoint path, or ``None`` to start fresh. A near miss of ``"auto"`` (``"atuo"``,
+            ``"Auto"``) that names no existing path raises ``ValueError`` here, as does one of
+            ``"last"``/``"best"`` for a ``ckpt_path``.
         seed: ``distkit.seed_everything(seed)`` at the start of ``fit``, and the seed of the
             loaders ``fit`` makes; ``None`` leaves the RNGs alone and the loaders on distkit's
             default seed (``seed_everything``'s, else 0).
@@ -294,6 +296,7 @@ class Trainer:
         self.val_check_interval = val_check_interval
         self.default_root_dir = Path(default_root_dir)
         self.resume = None if resume is None else os.fspath(resume)
+        _setup.check_checkpoint_word(self.resume, "resume", ("auto",))
         self.seed = seed
         self.seed_per_rank = seed_per_rank
         self.scale_lr = scale_lr

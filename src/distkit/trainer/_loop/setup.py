@@ -4,6 +4,7 @@ scheduler, loaders, callbacks, the checkpoint directory's claim and the resume."
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import math
 import os
@@ -261,10 +262,25 @@ def named_checkpoint(trainer: Options, which: str) -> str | None:
     return None if found is None else str(found)
 
 
+def check_checkpoint_word(value: str | None, name: str, words: tuple[str, ...]) -> None:
+    """Refuse a slip of one of ``words`` (``resume='atuo'`` for ``'auto'``, ``ckpt_path='lats'``)
+    that names no existing path, instead of looking for a checkpoint of that name. Local."""
+    if value is None or value in words or "://" in value or os.path.exists(value):
+        return
+    close = difflib.get_close_matches(value.lower(), words, n=1, cutoff=0.7)
+    if close:
+        named = " nor ".join(repr(word) for word in words)
+        raise ValueError(
+            f"{name}={value!r} is neither {named} nor an existing checkpoint path. Did you mean "
+            f"{name}={close[0]!r}?"
+        )
+
+
 def fit_resume(trainer: Options, ckpt_path: str | os.PathLike[str]) -> str:
     """``fit(ckpt_path=...)`` as a ``resume`` value: ``"last"`` is ``"auto"`` (a fresh start when
     the directory holds none), ``"best"`` the best checkpoint's path, a path itself."""
     path = os.fspath(ckpt_path)
+    check_checkpoint_word(path, "ckpt_path", ("last", "best"))
     if path == "last":
         return "auto"
     if path == "best":
@@ -276,6 +292,7 @@ def evaluation_checkpoint(trainer: Options, ckpt_path: str | os.PathLike[str]) -
     """The checkpoint ``ckpt_path`` names: ``"best"``/``"last"`` of the ModelCheckpoint's
     directory (which must hold one), or the path itself."""
     path = os.fspath(ckpt_path)
+    check_checkpoint_word(path, "ckpt_path", ("best", "last"))
     if path not in ("best", "last"):
         return path
     found = named_checkpoint(trainer, path)
