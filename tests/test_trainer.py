@@ -857,6 +857,9 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"devices": 0}, ValueError, "devices must be >= 1, got 0"),
         ({"devices": [0, 0]}, ValueError, "distinct CUDA indices"),
         ({"precision": "64"}, ValueError, "precision must be one of"),
+        ({"precision": 16}, ValueError, r"got 16\. Did you mean '16-mixed'\?"),  # Lightning's names
+        ({"precision": "bf16"}, ValueError, r"got 'bf16'\. Did you mean 'bf16-mixed'\?"),
+        ({"precision": "bf16-true"}, ValueError, r"Did you mean 'bf16-mixed' \(the weights stay float32"),
         ({"accumulate_grad_batches": 0}, ValueError, "accumulate_grad_batches must be >= 1, got 0"),
         ({"gradient_clip_val": -1.0}, ValueError, "gradient_clip_val must be > 0"),
         ({"gradient_clip_algorithm": "max"}, ValueError, "'norm' or 'value'"),

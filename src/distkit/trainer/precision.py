@@ -21,13 +21,31 @@ __all__: list[str] = []
 PRECISIONS = ("32", "16-mixed", "bf16-mixed")
 
 
+# Other tools' names for the precisions distkit has (Lightning's 16 and "bf16", "fp16", "32-true"):
+# what they most likely meant. distkit trains the weights in float32 always ("-true" half
+# precision, the weights themselves in 16 bits, is not offered).
+_MEANT = {
+    "16": "'16-mixed'",
+    "fp16": "'16-mixed'",
+    "16-true": "'16-mixed' (the weights stay float32; distkit has no 16-bit weights)",
+    "bf16": "'bf16-mixed'",
+    "bfloat16": "'bf16-mixed'",
+    "bf16-true": "'bf16-mixed' (the weights stay float32; distkit has no 16-bit weights)",
+    "32-true": "'32'",
+    "fp32": "'32'",
+    "float32": "'32'",
+}
+
+
 def check_precision(precision: object) -> str:
     """Validate the ``precision`` argument; ``32`` (an int) is accepted for ``"32"``. Local."""
     value = "32" if precision == 32 and not isinstance(precision, bool) else precision
     if value not in PRECISIONS:
+        meant = _MEANT.get(str(precision).lower())
+        hint = f" Did you mean {meant}?" if meant else ""
         raise ValueError(
-            f"precision must be one of {list(PRECISIONS)}, got {precision!r}. 'bf16-mixed' works on CPU "
-            f"and recent GPUs; '16-mixed' (fp16 with a gradient scaler) needs CUDA."
+            f"precision must be one of {list(PRECISIONS)}, got {precision!r}.{hint} 'bf16-mixed' works "
+            f"on CPU and recent GPUs; '16-mixed' (fp16 with a gradient scaler) needs CUDA."
         )
     if value == "16-mixed" and not torch.cuda.is_available():
         # Running fp32 instead would hide a configuration error behind a slower, different run.
