@@ -854,6 +854,10 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
     ("kwargs", "error", "match"),
     [
         ({"strategy": "deepspeed"}, ValueError, "strategy must be one of"),
+        ({"strategy": "DDP"}, ValueError, r"got 'DDP'\. Did you mean 'ddp'\?"),
+        ({"strategy": "dpp"}, ValueError, r"got 'dpp'\. Did you mean 'dp' or 'ddp'\?"),
+        ({"strategy": "ddp_spawn"}, ValueError, r"Did you mean 'ddp' \(fit\(\) under plain python starts"),
+        ({"strategy": "ddp_find_unused_parameters_true"}, ValueError, r"DDPStrategy\(find_unused_parameters"),
         ({"devices": 0}, ValueError, "devices must be >= 1, got 0"),
         ({"devices": [0, 0]}, ValueError, "distinct CUDA indices"),
         ({"precision": "64"}, ValueError, "precision must be one of"),

@@ -10,6 +10,7 @@ objects of this package's private modules: ``_base`` (the interface, single, DP,
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,11 +214,39 @@ def check_strategy(strategy: object) -> str | DDPStrategy | FSDPStrategy:
         return strategy
     if isinstance(strategy, str) and strategy in _NAMES:
         return strategy
+    meant = _meant_strategy(strategy)
     raise ValueError(
         f"strategy must be one of {list(_NAMES)}, a DDPStrategy(...) or an FSDPStrategy(...), got "
-        f"{strategy!r}. Use 'ddp' for several processes (CPU or GPU), 'fsdp' to shard the model, its "
-        f"gradients and optimizer state over them, 'dp' for nn.DataParallel over the GPUs of one process."
+        f"{strategy!r}.{f' Did you mean {meant}?' if meant else ''} Use 'ddp' for several processes (CPU "
+        f"or GPU), 'fsdp' to shard the model, its gradients and optimizer state over them, 'dp' for "
+        f"nn.DataParallel over the GPUs of one process."
     )
+
+
+# Lightning's strategy names and what they are here.
+_LIGHTNING_STRATEGIES = {
+    "ddp_spawn": "'ddp' (fit() under plain python starts its processes itself)",
+    "ddp_fork": "'ddp' (fit() under plain python starts its processes itself)",
+    "ddp_notebook": "'ddp' (fit() under plain python starts its processes itself)",
+    "ddp_find_unused_parameters_true": "DDPStrategy(find_unused_parameters=True)",
+    "ddp_find_unused_parameters_false": "'ddp'",
+    "fsdp2": "'fsdp' (FSDP2's fully_shard)",
+    "single_device": "'single'",
+    "dp": "'dp'",
+}
+
+
+def _meant_strategy(strategy: object) -> str | None:
+    """The strategy a slip (``'DDP'``, ``'dpp'``) or another tool's name most likely meant."""
+    if not isinstance(strategy, str):
+        return None
+    name = strategy.strip().lower()
+    if name in _LIGHTNING_STRATEGIES:
+        return _LIGHTNING_STRATEGIES[name]
+    if name in _NAMES:  # 'DDP'
+        return repr(name)
+    close = difflib.get_close_matches(name, _NAMES, n=2, cutoff=0.6)  # 'dpp': 'dp' or 'ddp'
+    return " or ".join(repr(found) for found in close) or None
 
 
 def check_devices(devices: object) -> int | str | tuple[int, ...]:
