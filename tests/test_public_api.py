@@ -54,9 +54,29 @@ def test_type_checkers_see_every_lazy_name() -> None:
             for stmt in node.body:
                 if isinstance(stmt, ast.ImportFrom):
                     typed.update({alias.name: stmt.module or "" for alias in stmt.names})
-    assert typed == distkit._LAZY
+    modules = {name for name, module in typed.items() if module == "distkit"}
+    assert modules == distkit._MODULES
+    assert {name: module for name, module in typed.items() if name not in modules} == distkit._LAZY
 
 
 def test_import_distkit_alone_does_not_import_torch() -> None:
     code = "import sys, distkit; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_every_public_module_is_an_attribute_after_a_plain_import() -> None:
+    # As the docs write them (distkit.trainer.accuracy, distkit.testing.run_ranks), before any
+    # other use of distkit has imported the module; and every public module is listed.
+    public = {
+        path.stem
+        for path in INIT.parent.iterdir()
+        if not path.name.startswith("_") and (path.suffix == ".py" or (path / "__init__.py").exists())
+    }
+    assert public == distkit._MODULES
+    code = (
+        "import distkit, importlib\n"
+        "assert callable(distkit.trainer.ModelCheckpoint) and callable(distkit.testing.run_ranks)\n"
+        f"for name in {sorted(public)!r}:\n"
+        "    assert getattr(distkit, name) is importlib.import_module('distkit.' + name), name\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -14,7 +14,26 @@ from typing import TYPE_CHECKING
 
 from distkit._version import __version__
 
-if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY below is what runs
+if TYPE_CHECKING:  # what type checkers and IDEs see; _LAZY and _MODULES below are what runs
+    from distkit import (
+        bench as bench,
+        checkpoint as checkpoint,
+        cli as cli,
+        collectives as collectives,
+        coordination as coordination,
+        data as data,
+        env as env,
+        errors as errors,
+        monitor as monitor,
+        optim as optim,
+        runtime as runtime,
+        seeding as seeding,
+        sharding as sharding,
+        storage as storage,
+        stragglers as stragglers,
+        testing as testing,
+        trainer as trainer,
+    )
     from distkit.bench import (
         profile_scaling as profile_scaling,
     )
@@ -253,12 +272,39 @@ _LAZY: dict[str, str] = {
 }
 
 
+# The public modules: `distkit.trainer.accuracy` and `distkit.testing.run_ranks` after a plain
+# `import distkit` (docs name them so), loaded on first use too.
+_MODULES = frozenset(
+    {
+        "bench",
+        "checkpoint",
+        "cli",
+        "collectives",
+        "coordination",
+        "data",
+        "env",
+        "errors",
+        "monitor",
+        "optim",
+        "runtime",
+        "seeding",
+        "sharding",
+        "storage",
+        "stragglers",
+        "testing",
+        "trainer",
+    }
+)
+
+
 def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)  # which sets it on this package
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'distkit' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
