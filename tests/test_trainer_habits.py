@@ -204,6 +204,31 @@ def test_a_slip_of_auto_last_or_best_is_named_not_searched_for_as_a_path(
         _fit(_trainer(tmp_path, max_epochs=1, batch_size=16), _model(), ckpt_path="runs/old")
 
 
+def test_a_monitor_that_names_no_metric_stops_fit_naming_the_closest_one(tmp_path: Path) -> None:
+    # ModelCheckpoint(monitor="val_los") used to rank nothing in silence: no best checkpoint, and
+    # ckpt_path="best" failing only later.
+    for callback in (
+        ModelCheckpoint(monitor="val_los", keep_best=1),
+        distkit.trainer.EarlyStopping("val_los"),
+    ):
+        trainer = _trainer(
+            tmp_path / type(callback).__name__, max_epochs=2, batch_size=16, callbacks=[callback]
+        )
+        with pytest.raises(KeyError, match=r"monitors 'val_los', .* Did you mean 'val_loss'\?"):
+            _fit(trainer, _model())
+        assert trainer.global_step == 4  # at the end of the first epoch, whose validation names its metrics
+    # A monitor whose epoch has no validation yet waits for one that has.
+    trainer = _trainer(
+        tmp_path / "every2",
+        max_epochs=1,
+        batch_size=16,
+        check_val_every_n_epoch=2,
+        callbacks=[ModelCheckpoint(monitor="val_acc", keep_best=1)],
+    )
+    _fit(trainer, _model())
+    assert trainer.global_step == 4
+
+
 def fit_then_save(root: str, path: str) -> list[float]:
     trainer = _trainer(root, max_epochs=1, batch_size=8, enable_checkpointing=False)
     model = _model()

@@ -8,6 +8,7 @@ from them (stop, save) agree without further communication.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import time
@@ -339,6 +340,10 @@ class ModelCheckpoint(Callback):
         return runtime.is_main_process() and time.monotonic() - self._last_save_time >= interval_s
 
     def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
+        if self.monitor is not None and self.monitor not in metrics and _validated_epoch(trainer):
+            # A monitor that names no metric would rank nothing, in silence: keep_best would keep
+            # no best and ckpt_path="best" find none (a typo, or validation that gives another name).
+            raise KeyError(_missing_metric("ModelCheckpoint", self.monitor, metrics))
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer, self._monitored(metrics))
 
@@ -350,6 +355,22 @@ class ModelCheckpoint(Callback):
         if self.monitor is None or self.monitor not in metrics:
             return None
         return dict(metrics)
+
+
+def _validated_epoch(trainer: TrainerView) -> bool:
+    """Whether validation was due at the end of the epoch that just ended."""
+    every = trainer.check_val_every_n_epoch
+    return every is not None and (trainer.current_epoch + 1) % every == 0
+
+
+def _missing_metric(who: str, monitor: str, metrics: Mapping[str, float]) -> str:
+    """Why ``who``'s ``monitor`` names no metric of the epoch's ``metrics``, and the closest that does."""
+    close = difflib.get_close_matches(monitor, list(metrics), n=1, cutoff=0.6)
+    meant = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"{who} monitors {monitor!r}, which is not among this epoch's metrics {sorted(metrics)}.{meant} "
+        f"Pass a val_data to fit() for 'val_*' metrics, or monitor one of these."
+    )
 
 
 class EarlyStopping(Callback):
@@ -402,13 +423,9 @@ class EarlyStopping(Callback):
 
     def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.monitor not in metrics:
-            every = trainer.check_val_every_n_epoch
-            if every is None or (trainer.current_epoch + 1) % every:
+            if not _validated_epoch(trainer):
                 return  # no validation at this epoch's end (check_val_every_n_epoch > 1 or None)
-            raise KeyError(
-                f"EarlyStopping monitors {self.monitor!r}, which is not among this epoch's metrics "
-                f"{sorted(metrics)}. Pass a val_data to fit() for 'val_*' metrics, or monitor one of these."
-            )
+            raise KeyError(_missing_metric("EarlyStopping", self.monitor, metrics))
         value = metrics[self.monitor]
         if not math.isfinite(value):
             if self.stop_on_nonfinite:
