@@ -870,6 +870,10 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"strategy": "single", "devices": 2}, ValueError, "strategy='single' uses one device"),
         ({"val_check_interval": 2.0}, ValueError, "fraction of an epoch"),
         ({"batch_size": 2.5}, TypeError, "batch_size must be an int"),
+        ({"seed": "0"}, TypeError, "seed must be an int, got str '0'"),  # here, not when fit starts
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 4294967295\], got -1"),
+        ({"logger": "tensorboard"}, TypeError, r"pass distkit\.trainer\.TensorBoardLogger\(\.\.\.\)"),
+        ({"devices": "2"}, TypeError, r"got '2'\. Did you mean devices=2\?"),
     ],
 )
 def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match) -> None:

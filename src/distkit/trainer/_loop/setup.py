@@ -21,7 +21,7 @@ from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.collectives import all_gather_object
 from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
 from distkit.errors import DistkitError
-from distkit.seeding import seed_everything
+from distkit.seeding import _MAX_SEED, _check_seed, seed_everything
 from distkit.stragglers import StragglerDetector
 from distkit.trainer import schedules
 from distkit.trainer._loop import report as _report, state as _state
@@ -638,12 +638,24 @@ def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
     ]
 
 
+_LOGGER_NAMES = {
+    "csv": "CSVLogger",
+    "tensorboard": "TensorBoardLogger",
+    "mlflow": "MLflowLogger",
+    "wandb": "WandbLogger",
+}
+
+
 def logger_list(logger: Any) -> list[Logger]:
     """The Trainer's loggers from its ``logger`` argument: ``True`` is one :class:`CSVLogger`."""
     if logger is True:
         return [CSVLogger()]
     if logger is False or logger is None:
         return []
+    if isinstance(logger, str):  # logger="tensorboard", as other tools take it
+        named = _LOGGER_NAMES.get(logger.lower())
+        meant = f": pass distkit.trainer.{named}(...)" if named else ""
+        raise TypeError(f"logger must be True, False or Logger objects, got {logger!r}{meant}.")
     loggers = [logger] if isinstance(logger, Logger) else list(logger)
     for item in loggers:
         if not isinstance(item, Logger):
@@ -664,6 +676,8 @@ def check_run_options(
         )
     if base_batch_size is not None and (isinstance(base_batch_size, bool) or base_batch_size < 1):
         raise ValueError(f"base_batch_size must be an int >= 1, got {base_batch_size!r}.")
+    if seed is not None:  # here, not when fit has loaded the data and started the processes
+        _check_seed(seed, limit=_MAX_SEED)
     if seed_per_rank and seed is None:
         raise ValueError("seed_per_rank=True derives each rank's streams from seed: pass seed=... too.")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):

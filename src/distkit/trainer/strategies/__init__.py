@@ -266,7 +266,8 @@ def check_devices(devices: object) -> int | str | tuple[int, ...]:
         if any(i < 0 for i in indices) or len(set(indices)) != len(indices):
             raise ValueError(f"devices must list distinct CUDA indices >= 0, got {list(indices)}.")
         return indices
-    raise TypeError(f"devices must be 'auto', an int or a list of CUDA indices, got {devices!r}.")
+    meant = f" Did you mean devices={int(devices)}?" if isinstance(devices, str) and devices.isdigit() else ""
+    raise TypeError(f"devices must be 'auto', an int or a list of CUDA indices, got {devices!r}.{meant}")
 
 
 def check_cuda_indices(indices: Sequence[int], what: str) -> None:
