@@ -377,6 +377,20 @@ def test_a_plain_model_without_loss_fn_or_target_parameter_is_refused_at_once(tm
         quiet(str(tmp_path), max_steps=1).fit(Net(), Blobs(32), optimizer=lambda p: torch.optim.SGD(p, 0.1))
 
 
+def test_a_loss_class_given_as_loss_fn_is_refused_naming_the_instance_to_pass(tmp_path) -> None:
+    # loss_fn=nn.CrossEntropyLoss would build a module from (output, target) and fail on the first
+    # batch with "Boolean value of Tensor with more than one value is ambiguous".
+    with pytest.raises(
+        TypeError,
+        match=r"loss_fn=torch\.nn\.CrossEntropyLoss is a class: pass an instance, "
+        r"loss_fn=torch\.nn\.CrossEntropyLoss\(\)",
+    ):
+        quiet(str(tmp_path), max_steps=1).fit(
+            Net(), Blobs(32), optimizer=lambda p: torch.optim.SGD(p, 0.1), loss_fn=nn.CrossEntropyLoss
+        )
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything started
+
+
 # --------------------------------------------------------------------------------------------------
 # Schedules in epochs, the scheduler factory, and the report's learning rates
 

@@ -55,6 +55,14 @@ def target_parameter(module: nn.Module) -> str | None:
 def convention(module: nn.Module, loss_fn: Callable[..., Any] | None) -> str:
     """``"training_step"``, ``"loss_fn"`` or ``"model_loss"`` (the model computes its loss); raises
     when a plain model has no way to a loss. Local."""
+    if inspect.isclass(loss_fn) and issubclass(loss_fn, nn.Module):
+        # loss_fn=nn.CrossEntropyLoss: calling the class builds a module from (output, target).
+        short = getattr(nn, loss_fn.__qualname__, None) is loss_fn
+        name = f"torch.nn.{loss_fn.__qualname__}" if short else f"{loss_fn.__module__}.{loss_fn.__qualname__}"
+        raise TypeError(
+            f"loss_fn={name} is a class: pass an instance, loss_fn={name}() (or a function such as "
+            f"torch.nn.functional.cross_entropy)."
+        )
     if callable(getattr(module, "training_step", None)):
         return "training_step"
     if loss_fn is not None:
