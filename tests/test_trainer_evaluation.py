@@ -377,6 +377,31 @@ def test_a_plain_model_without_loss_fn_or_target_parameter_is_refused_at_once(tm
         quiet(str(tmp_path), max_steps=1).fit(Net(), Blobs(32), optimizer=lambda p: torch.optim.SGD(p, 0.1))
 
 
+def test_inputs_and_targets_given_as_a_tuple_of_tensors_are_refused_naming_tensordataset(tmp_path) -> None:
+    # Keras's fit(x, y) habit: as a dataset, (x, y) is two samples, the tensors themselves.
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    trainer = quiet(str(tmp_path), max_steps=1)
+    expected = r"is a tuple of 2 tensors \(\(32, 8\), \(32,\)\): as a dataset that is 2 samples"
+    with pytest.raises(TypeError, match=expected + r".*TensorDataset\(\*train_data\) for its 32 rows"):
+        trainer.fit(
+            Net(), (x, y), optimizer=lambda p: torch.optim.SGD(p, 0.1), loss_fn=nn.functional.cross_entropy
+        )
+    with pytest.raises(TypeError, match=r"val_data is a tuple of 2 tensors"):
+        trainer.fit(
+            Net(),
+            Blobs(32),
+            (x, y),
+            optimizer=lambda p: torch.optim.SGD(p, 0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    for call in (trainer.validate, trainer.test):
+        with pytest.raises(TypeError, match=expected + r".*TensorDataset\(\*data\)"):
+            call(Net(), (x, y), loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(TypeError, match=expected):
+        trainer.predict(Net(), (x, y))
+    assert trainer.global_step == 0 and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_loss_class_given_as_loss_fn_is_refused_naming_the_instance_to_pass(tmp_path) -> None:
     # loss_fn=nn.CrossEntropyLoss would build a module from (output, target) and fail on the first
     # batch with "Boolean value of Tensor with more than one value is ambiguous".

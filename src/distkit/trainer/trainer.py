@@ -571,6 +571,8 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
+        _setup.check_data("train_data", train_data)
+        _setup.check_data("val_data", val_data)
         plan = strategies.resolve(self.strategy, self.devices)
         if plan.launch:
             kwargs = {

@@ -72,6 +72,7 @@ def evaluate(
     metrics: Mapping[str, Callable[..., Any]] | None,
 ) -> dict[str, float]:
     """``validate`` (``prefix="val"``) or ``test``: the metrics reduced over every rank."""
+    _setup.check_data("data", data)
     plan = strategies.resolve(trainer.strategy, trainer.devices)
     if plan.launch:
         kwargs = {"ckpt_path": ckpt_path, "loss_fn": loss_fn, "metrics": metrics}
@@ -113,6 +114,7 @@ def predict(
     all_ranks: bool,
 ) -> Any:
     """Every sample's prediction once, in dataset order, on the main process (or every rank)."""
+    _setup.check_data("data", data)
     plan = strategies.resolve(trainer.strategy, trainer.devices)
     if plan.launch:
         if all_ranks:
