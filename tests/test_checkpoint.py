@@ -221,6 +221,19 @@ def test_plain_values_and_tensors_are_restored_into_the_given_mapping(tmp_path) 
     assert state["epoch"] == 4 and state["names"] == ["a"] and loaded["epoch"] == 4
 
 
+def test_a_module_given_as_the_state_is_refused_naming_the_mapping_to_pass(tmp_path) -> None:
+    # save_checkpoint(path, model) and load_checkpoint(path, model): the slip of leaving out {"model": ...}.
+    model = nn.Linear(2, 2)
+    expected = r"state must be a mapping of names to objects, e\.g\. \{'model': model\}, got Linear"
+    with pytest.raises(TypeError, match=expected):
+        distkit.save_checkpoint(tmp_path / "a", model)
+    distkit.save_checkpoint(tmp_path / "b", {"model": model})
+    with pytest.raises(TypeError, match=expected):  # was "'Linear' object is not iterable"
+        distkit.load_checkpoint(tmp_path / "b", model)
+    with pytest.raises(TypeError, match=expected):  # before looking for the path
+        distkit.load_checkpoint(tmp_path / "nowhere", model)
+
+
 def test_missing_entries_raise_when_strict_and_are_skipped_with_a_warning_otherwise(tmp_path) -> None:
     distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
     with pytest.raises(distkit.DistkitError, match=r"no entries \['optimizer'\].*holds \['model'\]"):

@@ -128,6 +128,19 @@ def test_nccl_on_a_cpu_rank_is_a_clear_error(clean_env: pytest.MonkeyPatch) -> N
         distkit.init(device="cuda")
 
 
+def test_a_backend_name_torch_does_not_know_is_refused_even_in_a_world_of_one(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    # A world of one makes no process group: "ncll" would pass until the job ran on several processes.
+    with pytest.raises(
+        ValueError, match=r"backend 'ncll' is not a torch.distributed backend .* Did you mean 'nccl'\?"
+    ):
+        distkit.init(backend="ncll")
+    with pytest.raises(ValueError, match=r"backend 'tcp' is not a torch.distributed backend \(gloo, nccl"):
+        distkit.init(backend="tcp")
+    assert not distkit.is_initialized()
+
+
 def _queries() -> dict:
     return {
         "rank": distkit.get_rank(),

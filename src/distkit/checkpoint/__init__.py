@@ -55,6 +55,7 @@ from distkit.checkpoint._io import _consolidate, _load_verified, _restore_into, 
 from distkit.checkpoint._manager import CheckpointManager
 from distkit.checkpoint._plain_dcp import _load_plain_dcp
 from distkit.checkpoint._resume import ResumeState
+from distkit.checkpoint._state import _check_state
 
 __all__ = [
     "DEFAULT_FILE_MODE",
@@ -223,6 +224,8 @@ def load_checkpoint(
         >>> _ = distkit.save_checkpoint("/tmp/ckpt_example", {"model": model})
         >>> _ = distkit.load_checkpoint("/tmp/ckpt_example", {"model": model})
     """
+    if state is not None:
+        _check_state(state)  # load_checkpoint(path, model): before reading anything
     storage, target = _storage_for(path)
     try:
         verified = _load_verified(storage, target, map_location)

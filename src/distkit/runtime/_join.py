@@ -4,6 +4,7 @@ claims), :func:`init` and :func:`shutdown`, and the hang doctor's hooks for the 
 from __future__ import annotations
 
 import atexit
+import difflib
 import gc
 import json
 import os
@@ -63,6 +64,22 @@ def _resolve_device(env: LaunchEnv, device: str | torch.device | None) -> torch.
         if dev.index is None:
             dev = _default_device(env)
     return dev
+
+
+def _check_backend_name(backend: str | None) -> None:
+    """Refuse a backend name torch does not know (``"ncll"``), also in a world of one, which makes
+    no process group and would let the slip through until the job runs on several processes."""
+    if backend is None or ":" in backend:  # "cpu:gloo,cuda:nccl" is torch's to check
+        return
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    if backend.lower() in known:
+        return
+    close = difflib.get_close_matches(backend.lower(), known, n=1, cutoff=0.6)
+    raise ValueError(
+        f"backend {backend!r} is not a torch.distributed backend ({', '.join(known)})."
+        f"{f' Did you mean {close[0]!r}?' if close else ''} Use 'gloo' on CPU, 'nccl' on CUDA GPUs, or "
+        f"backend=None to choose from the device."
+    )
 
 
 def _resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -391,6 +408,7 @@ def init(
         _start_doctor(_state._runtime, hang)
         return _state._runtime.env
 
+    _check_backend_name(backend)
     env = detect_env()
     dev = _resolve_device(env, device)
     if dev.type == "cuda":
