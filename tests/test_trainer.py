@@ -874,12 +874,20 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"seed": -1}, ValueError, r"seed must be in \[0, 4294967295\], got -1"),
         ({"logger": "tensorboard"}, TypeError, r"pass distkit\.trainer\.TensorBoardLogger\(\.\.\.\)"),
         ({"devices": "2"}, TypeError, r"got '2'\. Did you mean devices=2\?"),
+        ({"callbacks": [ModelCheckpoint]}, TypeError, r"the class ModelCheckpoint: pass an instance"),
+        ({"logger": CSVLogger}, TypeError, r"the class CSVLogger: pass an instance, CSVLogger\(\.\.\.\)"),
     ],
 )
 def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match) -> None:
     options = {"max_epochs": 1, **kwargs}
     with pytest.raises(error, match=match):
         Trainer(**options)
+
+
+def test_one_callback_alone_is_taken_as_lightning_takes_it() -> None:
+    stopper = EarlyStopping("val_loss")
+    trainer = Trainer(max_epochs=1, callbacks=stopper)
+    assert trainer.callbacks[0] is stopper and isinstance(trainer.callbacks[-1], ModelCheckpoint)
 
 
 def refusal_in_a_ddp_job(tmp: str, strategy: str, devices: int | str) -> str:

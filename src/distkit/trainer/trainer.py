@@ -107,7 +107,7 @@ class Trainer:
             quarter), in place of its end-of-epoch validation. An epoch-end validation at a step
             just validated is not repeated. Validation comes before
             the step's checkpoint, so resuming stays exact.
-        callbacks: :class:`Callback` objects (hooks run on every rank, in order).
+        callbacks: :class:`Callback` objects (hooks run on every rank, in order), or one.
         logger: ``True`` for a :class:`CSVLogger` in ``default_root_dir``, ``False`` for none, or
             :class:`Logger` objects. Loggers write on the main process only.
         enable_checkpointing: Add a :class:`ModelCheckpoint` (every epoch and every 30 minutes of
@@ -231,7 +231,7 @@ class Trainer:
         log_every_n_steps: int = 50,
         check_val_every_n_epoch: int | None = 1,
         val_check_interval: int | float | None = None,
-        callbacks: Sequence[Callback] | None = None,
+        callbacks: Sequence[Callback] | Callback | None = None,
         logger: bool | Logger | Sequence[Logger] = True,
         enable_checkpointing: bool = True,
         enable_progress_bar: bool | None = None,

@@ -630,13 +630,21 @@ def _changed_model_message(run: Run, changed: list[tuple[str, str | None, str | 
 _MAX_LISTED = 10
 
 
+def _what(value: Any) -> str:
+    """What was given instead of an object: its type's name, or for a class the instance to pass."""
+    if inspect.isclass(value):
+        return f"the class {value.__name__}: pass an instance, {value.__name__}(...)"
+    return type(value).__name__
+
+
 def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
     """The Trainer's callbacks: checked, a default :class:`ModelCheckpoint` added when wanted, and
     checkpoints last (what they save includes the other callbacks' state after their hooks)."""
-    given = list(callbacks or [])
+    # One callback alone is taken too, as Lightning takes it.
+    given = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     for cb in given:
         if not isinstance(cb, Callback):
-            raise TypeError(f"callbacks must be distkit.Callback objects, got {type(cb).__name__}.")
+            raise TypeError(f"callbacks must be distkit.Callback objects, got {_what(cb)}.")
     checkpoints = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
     if len(checkpoints) > 1:
         # fit() sets up, resumes from and feeds one; a second would fail at its first save.
@@ -670,6 +678,8 @@ def logger_list(logger: Any) -> list[Logger]:
         return [CSVLogger()]
     if logger is False or logger is None:
         return []
+    if inspect.isclass(logger):
+        raise TypeError(f"logger must be True, False or Logger objects, got {_what(logger)}.")
     if isinstance(logger, str):  # logger="tensorboard", as other tools take it
         named = _LOGGER_NAMES.get(logger.lower())
         meant = f": pass distkit.trainer.{named}(...)" if named else ""
@@ -677,7 +687,7 @@ def logger_list(logger: Any) -> list[Logger]:
     loggers = [logger] if isinstance(logger, Logger) else list(logger)
     for item in loggers:
         if not isinstance(item, Logger):
-            raise TypeError(f"logger must be True, False or Logger objects, got {type(item).__name__}.")
+            raise TypeError(f"logger must be True, False or Logger objects, got {_what(item)}.")
     return loggers
 
 
