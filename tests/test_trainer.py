@@ -35,6 +35,7 @@ from distkit.trainer import (
     ModelCheckpoint,
     TensorBoardLogger,
     ThroughputMonitor,
+    TorchProfiler,
     Trainer,
     accuracy,
 )
@@ -876,6 +877,8 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"devices": "2"}, TypeError, r"got '2'\. Did you mean devices=2\?"),
         ({"callbacks": [ModelCheckpoint]}, TypeError, r"the class ModelCheckpoint: pass an instance"),
         ({"logger": CSVLogger}, TypeError, r"the class CSVLogger: pass an instance, CSVLogger\(\.\.\.\)"),
+        ({"strategy": DDPStrategy}, ValueError, r"Did you mean DDPStrategy\(\)\?"),
+        ({"profiler": TorchProfiler}, ValueError, r"Did you mean TorchProfiler\(\)\?"),
     ],
 )
 def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match) -> None:

@@ -68,7 +68,7 @@ class TorchProfiler:
             raise ValueError(f"TorchProfiler(active=...) must be an int >= 1, got {self.active!r}.")
 
 
-def check_profiler(profiler: str | TorchProfiler | None) -> str | TorchProfiler | None:
+def check_profiler(profiler: object) -> str | TorchProfiler | None:
     """``profiler`` as the Trainer keeps it (``"torch"``: a :class:`TorchProfiler` of defaults)."""
     if profiler is None or isinstance(profiler, TorchProfiler):
         return profiler
@@ -76,8 +76,10 @@ def check_profiler(profiler: str | TorchProfiler | None) -> str | TorchProfiler 
         return profiler
     if profiler == "torch":
         return TorchProfiler()
+    meant = " Did you mean TorchProfiler()?" if profiler is TorchProfiler else ""  # the class
     raise ValueError(
-        f"profiler must be None, 'simple', 'torch' or a distkit.trainer.TorchProfiler, got {profiler!r}."
+        f"profiler must be None, 'simple', 'torch' or a distkit.trainer.TorchProfiler, got "
+        f"{profiler!r}.{meant}"
     )
 
 

@@ -238,6 +238,8 @@ _LIGHTNING_STRATEGIES = {
 
 def _meant_strategy(strategy: object) -> str | None:
     """The strategy a slip (``'DDP'``, ``'dpp'``) or another tool's name most likely meant."""
+    if strategy in (DDPStrategy, FSDPStrategy):  # the class, not an instance
+        return f"{strategy.__name__}()"
     if not isinstance(strategy, str):
         return None
     name = strategy.strip().lower()
