@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 import distkit
 from distkit.data import DistributedLoader, DistributedSplitSampler
@@ -882,6 +883,23 @@ def test_too_small_dataset_and_empty_drop_last_split_are_rejected_on_two_ranks(r
     for message in ranks.run(bad_input_on_two_ranks, 10, 8, True, world_size=2):
         assert "each of the 2 ranks gets 5 of the 10 samples" in message
         assert "batch_size <= 5 or drop_last=False" in message
+
+
+def test_a_loader_or_a_tuple_of_tensors_given_as_the_dataset_is_refused_naming_what_to_pass() -> None:
+    # Each was a loader of one batch: of 8 batches, or of the 2 tensors themselves.
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    for loader in (DataLoader(data, batch_size=8), distkit.distributed_dataloader(data, 8)):
+        with pytest.raises(
+            TypeError, match=rf"needs a dataset, got a {type(loader).__name__}: pass its dataset"
+        ):
+            distkit.distributed_dataloader(loader, 8)
+    with pytest.raises(
+        TypeError,
+        match=r"dataset is a tuple of 2 tensors \(\(64, 4\), \(64,\)\).*"
+        r"TensorDataset\(\*dataset\) for its 64 rows",
+    ):
+        distkit.distributed_dataloader(data.tensors, 8)
+    assert len(distkit.distributed_dataloader(data, 8)) == 8
 
 
 def test_an_empty_or_too_small_dataset_in_a_world_of_one_is_rejected_without_talking_about_ranks() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from distkit import collectives, runtime
 from distkit.errors import DistkitError
@@ -17,7 +18,34 @@ __all__: list[str] = []
 # Validation shared by the sampler and the loader
 
 
+def check_not_tensor_tuple(data: Any, name: str) -> None:
+    """Refuse ``(inputs, targets)`` tensors given where a dataset is needed (as Keras's ``fit(x, y)``
+    takes them): as a dataset that tuple is a few samples, the tensors themselves, which fails in
+    the loader's collate or, worse, trains on them. Local."""
+    if not (isinstance(data, tuple) and 2 <= len(data) <= 4):
+        return
+    if not all(isinstance(item, torch.Tensor) and item.dim() >= 1 for item in data):
+        return
+    rows = {int(item.shape[0]) for item in data}
+    if len(rows) == 1 and rows != {len(data)}:
+        shapes = ", ".join(str(tuple(item.shape)) for item in data)
+        raise TypeError(
+            f"{name} is a tuple of {len(data)} tensors ({shapes}): as a dataset that is {len(data)} "
+            f"samples, the tensors themselves. Pass torch.utils.data.TensorDataset(*{name}) for its "
+            f"{rows.pop()} rows."
+        )
+
+
 def _dataset_len(dataset: Any, what: str) -> int:
+    from distkit.data._loader import DistributedLoader  # imports this module
+
+    if isinstance(dataset, (DataLoader, DistributedLoader)):
+        # Its batches would be the samples: a loader of batches of batches.
+        raise TypeError(
+            f"{what} needs a dataset, got a {type(dataset).__name__}: pass its dataset "
+            f"(loader.dataset), and {what} makes the loader (batches, shards, workers)."
+        )
+    check_not_tensor_tuple(dataset, "dataset")
     if isinstance(dataset, IterableDataset):
         raise TypeError(
             f"{what} needs a map-style dataset (with __len__ and __getitem__), got the IterableDataset "

@@ -37,6 +37,7 @@ from distkit import runtime
 from distkit._doctor.doctor import check_timeout
 from distkit.checkpoint import save_checkpoint
 from distkit.collectives import all_gather_object
+from distkit.data._checks import check_not_tensor_tuple
 from distkit.errors import DistkitError
 from distkit.trainer import launch, strategies
 from distkit.trainer._loop import (
@@ -571,8 +572,8 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
-        _setup.check_data("train_data", train_data)
-        _setup.check_data("val_data", val_data)
+        check_not_tensor_tuple(train_data, "train_data")
+        check_not_tensor_tuple(val_data, "val_data")
         plan = strategies.resolve(self.strategy, self.devices)
         if plan.launch:
             kwargs = {

@@ -21,6 +21,7 @@ from distkit import runtime
 from distkit.checkpoint import load_checkpoint
 from distkit.collectives import all_gather_object, reduce_metrics
 from distkit.data import gather_for_metrics
+from distkit.data._checks import check_not_tensor_tuple
 from distkit.data._stream import is_stream
 from distkit.trainer import launch, strategies
 from distkit.trainer._loop import evaluate as _evaluate, model_io as _model_io, setup as _setup
@@ -72,7 +73,7 @@ def evaluate(
     metrics: Mapping[str, Callable[..., Any]] | None,
 ) -> dict[str, float]:
     """``validate`` (``prefix="val"``) or ``test``: the metrics reduced over every rank."""
-    _setup.check_data("data", data)
+    check_not_tensor_tuple(data, "data")
     plan = strategies.resolve(trainer.strategy, trainer.devices)
     if plan.launch:
         kwargs = {"ckpt_path": ckpt_path, "loss_fn": loss_fn, "metrics": metrics}
@@ -114,7 +115,7 @@ def predict(
     all_ranks: bool,
 ) -> Any:
     """Every sample's prediction once, in dataset order, on the main process (or every rank)."""
-    _setup.check_data("data", data)
+    check_not_tensor_tuple(data, "data")
     plan = strategies.resolve(trainer.strategy, trainer.devices)
     if plan.launch:
         if all_ranks:

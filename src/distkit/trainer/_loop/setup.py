@@ -421,24 +421,6 @@ def _takes_trainer(factory: Any) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def check_data(name: str, data: Any) -> None:
-    """Refuse ``(inputs, targets)`` tensors given as the data (as Keras's ``fit(x, y)`` takes them):
-    as a dataset that tuple is a few samples (the tensors themselves), which fails in the loader's
-    collate or, worse, trains on them. Local."""
-    if not (isinstance(data, tuple) and 2 <= len(data) <= 4):
-        return
-    if not all(isinstance(item, torch.Tensor) and item.dim() >= 1 for item in data):
-        return
-    rows = {int(item.shape[0]) for item in data}
-    if len(rows) == 1 and rows != {len(data)}:
-        shapes = ", ".join(str(tuple(item.shape)) for item in data)
-        raise TypeError(
-            f"{name} is a tuple of {len(data)} tensors ({shapes}): as a dataset that is {len(data)} "
-            f"samples, the tensors themselves. Pass torch.utils.data.TensorDataset(*{name}) for its "
-            f"{rows.pop()} rows."
-        )
-
-
 def make_loader(trainer: Options, data: Any, batch_size: int, *, evaluation: bool, world_size: int) -> Any:
     """A distkit loader over a dataset, or a loader given as it is (warning when it is not sharded
     over ``world_size`` processes)."""
