@@ -43,7 +43,7 @@ def _dataset_len(dataset: Any, what: str) -> int:
         # Its batches would be the samples: a loader of batches of batches.
         raise TypeError(
             f"{what} needs a dataset, got a {type(dataset).__name__}: pass its dataset "
-            f"(loader.dataset), and {what} makes the loader (batches, shards, workers)."
+            f"(loader.dataset) instead; a loader's items are whole batches."
         )
     check_not_tensor_tuple(dataset, "dataset")
     if isinstance(dataset, IterableDataset):
