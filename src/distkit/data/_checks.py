@@ -37,10 +37,10 @@ def check_not_tensor_tuple(data: Any, name: str) -> None:
 
 
 def _dataset_len(dataset: Any, what: str) -> int:
-    from distkit.data._loader import DistributedLoader  # imports this module
-
-    if isinstance(dataset, (DataLoader, DistributedLoader)):
-        # Its batches would be the samples: a loader of batches of batches.
+    # torch's DataLoader, or distkit's loaders (a dataset and a batch size, no __getitem__): its
+    # batches would be the samples, a loader of batches of batches.
+    loader_like = hasattr(dataset, "dataset") and hasattr(dataset, "batch_size")
+    if isinstance(dataset, DataLoader) or (loader_like and not hasattr(dataset, "__getitem__")):
         raise TypeError(
             f"{what} needs a dataset, got a {type(dataset).__name__}: pass its dataset "
             f"(loader.dataset) instead; a loader's items are whole batches."
