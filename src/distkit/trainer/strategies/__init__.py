@@ -232,7 +232,6 @@ _LIGHTNING_STRATEGIES = {
     "ddp_find_unused_parameters_false": "'ddp'",
     "fsdp2": "'fsdp' (FSDP2's fully_shard)",
     "single_device": "'single'",
-    "dp": "'dp'",
 }
 
 
