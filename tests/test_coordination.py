@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +307,36 @@ def test_world_of_one_just_runs_the_block(world_of_one: pytest.MonkeyPatch) -> N
     assert distkit.run_on_main(sorted, [3, 1, 2]) == [1, 2, 3]
     with pytest.raises(ZeroDivisionError), distkit.main_process_first():
         _ = 1 / 0
+
+
+def test_a_section_never_entered_warns_naming_the_line(world_of_one: pytest.MonkeyPatch) -> None:
+    # Without `with` the call orders nothing: every rank would run the next lines at once.
+    expected = r"never entered.*Write `with distkit\.main_process_first\(\):`"
+    with pytest.warns(RuntimeWarning, match=expected) as caught:
+        line = sys._getframe().f_lineno + 1
+        distkit.main_process_first()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
+
+    calls = []
+
+    @distkit.main_process_first()
+    def prepare(n: int) -> int:
+        calls.append(n)
+        return n * 2
+
+    reused = distkit.main_process_first()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # entered sections and decorators do not warn
+        with distkit.main_process_first():
+            calls.append(0)
+        assert [prepare(1), prepare(2)] == [2, 4]
+        with reused:
+            calls.append(3)
+        with reused:
+            calls.append(4)
+        del reused
+        gc.collect()
+    assert calls == [0, 1, 2, 3, 4]
 
 
 def test_multi_process_job_without_init_is_told_to_call_init(world_of_one: pytest.MonkeyPatch) -> None:

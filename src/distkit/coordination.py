@@ -18,9 +18,11 @@ import contextlib
 import math
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -402,13 +404,15 @@ def _follow_without_store(section: _Section) -> Any:
 # -- public API -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def main_process_first(
     *, local: bool = False, rank: int = 0, timeout_s: float = _DEFAULT_TIMEOUT_S
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Run the block on the main process first; the other ranks run it once it has finished.
 
-    Collective: call on every rank. Without a process group (a world of one) it just runs the block.
+    Collective: call on every rank, as ``with distkit.main_process_first():``. Without a process
+    group (a world of one) it just runs the block. Called without ``with`` it orders nothing (every
+    rank would run the next lines at once), so a section never entered says so with a
+    ``RuntimeWarning`` naming the line, as a coroutine never awaited does.
 
     If the main process raises inside the block, every waiting rank raises
     :class:`~distkit.MainProcessError` at once, carrying the exception's type, message and
@@ -440,6 +444,69 @@ def main_process_first(
         >>> with distkit.main_process_first():
         ...     path = "data/train.bin"  # download or preprocess here; others reuse the result
     """
+    caller = sys._getframe(1)
+    # Where a never-entered section's warning points (the frame itself is not kept: it holds locals).
+    where = (
+        caller.f_code.co_filename,
+        caller.f_lineno,
+        caller.f_globals.get("__name__"),
+        caller.f_globals.setdefault("__warningregistry__", {}),
+    )
+    return _FirstSection((local, rank, timeout_s), where)
+
+
+class _FirstSection(contextlib.ContextDecorator):
+    """What :func:`main_process_first` returns: the section, entered by ``with`` (or as a decorator);
+    one that is dropped without being entered warns, naming the line that made it."""
+
+    def __init__(self, args: tuple[bool, int, float], where: tuple[str, int, Any, Any]) -> None:
+        self._args = args
+        self._where = where
+        self._used = False
+        self._inner: contextlib.AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        self._used = True
+        if self._inner is not None:
+            raise RuntimeError(
+                "this main_process_first() section is already entered; call main_process_first() "
+                "again for another section."
+            )
+        self._inner = _main_process_first(*self._args)
+        self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        inner, self._inner = self._inner, None
+        assert inner is not None, "__exit__ without __enter__"
+        return inner.__exit__(*exc)
+
+    def _recreate_cm(self) -> _FirstSection:
+        # As a decorator: a fresh section for each call of the function.
+        return _FirstSection(self._args, self._where)
+
+    def __call__(self, func: Callable[..., R]) -> Callable[..., R]:  # type: ignore[override]
+        self._used = True
+        return super().__call__(func)
+
+    def __del__(self) -> None:
+        if self._used:
+            return
+        filename, lineno, module, registry = self._where
+        warnings.warn_explicit(
+            "distkit.main_process_first() was called but never entered, so it ordered nothing: "
+            "every rank ran the lines after it at once. Write `with distkit.main_process_first():` "
+            "and indent the work that the main process must do first (a download, a cache) under it.",
+            RuntimeWarning,
+            filename,
+            lineno,
+            module,
+            registry,
+        )
+
+
+@contextlib.contextmanager
+def _main_process_first(local: bool, rank: int, timeout_s: float) -> Iterator[None]:
+    """The section itself (see :func:`main_process_first`)."""
     timeout_s = _check_timeout(timeout_s)
     _check_first(rank, local=local)
     if runtime.get_world_size() == 1:
