@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -924,6 +925,57 @@ def test_optimizer_of_another_model_copy_is_refused(tmp_path) -> None:
             optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
             loss_fn=nn.functional.cross_entropy,
         )
+
+
+class LayersInAPlainList(nn.Module):
+    """The classic slip: the blocks are in a Python list, which nn.Module does not register."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(20, 10)
+        self.blocks = [nn.Linear(20, 20) for _ in range(2)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_model_or_optimizer_that_would_train_nothing_is_refused(tmp_path) -> None:
+    def fit(model: nn.Module, params: Iterable[nn.Parameter] | None = None) -> None:
+        trainer = quiet_trainer(str(tmp_path), strategy="single", max_steps=2)
+        optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+        trainer.fit(
+            model,
+            RandomDataset(20, 64),
+            optimizer=optimizer if params is None else optimizer(params),
+            loss_fn=nn.functional.cross_entropy,
+        )
+
+    # Was: the blocks stayed at their initial weights, in silence (and differed across ranks).
+    with pytest.raises(
+        ValueError, match=r"LayersInAPlainList\.blocks is a plain list of 2 module.*nn\.ModuleList"
+    ):
+        fit(LayersInAPlainList())
+    # Was: torch's "element 0 of tensors does not require grad".
+    frozen = SimpleModel().requires_grad_(False)
+    with pytest.raises(
+        ValueError, match=r"all 4 of its parameters have requires_grad=False.*trainer\.validate"
+    ):
+        fit(frozen)
+    with pytest.raises(ValueError, match=r"SiLU\) has no parameters"):
+        fit(nn.SiLU())
+    # Was: fit ran and the model came out unchanged, in silence.
+    model = SimpleModel()
+    model.net[0].requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"the optimizer updates nothing: its 2 parameter\(s\) all have"):
+        fit(model, model.net[0].parameters())
+    # Meant to stay fixed: a frozen module kept out of the model (a teacher) is fine.
+    model.net[0].requires_grad_(True)
+    model.teacher = [SimpleModel().requires_grad_(False)]
+    fit(model)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_unpicklable_objects_are_named_before_any_process_starts(tmp_path) -> None:

@@ -321,3 +321,55 @@ def _describe(value: Any) -> str:
     if isinstance(value, Mapping):
         return f"{type(value).__name__} with keys " + ", ".join(repr(key) for key in value)
     return type(value).__name__
+
+
+def check_trains(model: nn.Module) -> None:
+    """``model`` has a parameter that trains, and none that trains outside it.
+
+    Without the first, fit would fail in torch's backward (or DDP's set-up) with a message that
+    does not say why. The second is the plain Python list (or tuple, or dict) of layers: the model
+    does not register them, so their parameters would be used in the forward pass yet never
+    updated, saved, moved to the device or synchronised across ranks, in silence. Local.
+    """
+    params = list(model.parameters())
+    name = type(model).__name__
+    own = {id(p) for p in params}
+    internal = _module_attributes()
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr in internal or not isinstance(value, (list, tuple, dict)):
+                continue
+            items = value.values() if isinstance(value, dict) else value
+            layers = [item for item in items if isinstance(item, nn.Module)]
+            loose = [
+                p for layer in layers for p in layer.parameters() if p.requires_grad and id(p) not in own
+            ]
+            if loose:
+                kind = type(value).__name__
+                holder = "nn.ModuleDict" if isinstance(value, dict) else "nn.ModuleList"
+                where = f"{name}.{prefix + '.' if prefix else ''}{attr}"
+                raise ValueError(
+                    f"{where} is a plain {kind} of {len(layers)} module(s) that the model does not "
+                    f"register: their {len(loose)} trainable parameter(s) would be used in the "
+                    f"forward pass but never updated, saved, moved to the device or synchronised "
+                    f"across ranks. Hold them in {holder}(...); if they are meant to stay fixed, "
+                    f"freeze them (requires_grad_(False))."
+                )
+    if not params:
+        raise ValueError(
+            f"the model given to fit() ({name}) has no parameters, so there is nothing to train. "
+            f"Pass the module that holds the weights (its layers are attributes of it, or in an "
+            f"nn.ModuleList: a plain Python list of layers is not registered)."
+        )
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"the model given to fit() ({name}) has nothing to train: all {len(params)} of its "
+            f"parameters have requires_grad=False (frozen). Unfreeze the parts to train "
+            f"(module.requires_grad_(True)), or only evaluate it: trainer.validate(model, data), "
+            f"trainer.test(...) or trainer.predict(...)."
+        )
+
+
+def _module_attributes() -> set[str]:
+    """The names of the attributes every nn.Module has (``_modules``, ``_parameters``, hooks)."""
+    return set(vars(nn.Module()))

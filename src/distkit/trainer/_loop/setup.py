@@ -24,7 +24,7 @@ from distkit.errors import DistkitError
 from distkit.seeding import _MAX_SEED, _check_seed, seed_everything
 from distkit.stragglers import StragglerDetector
 from distkit.trainer import schedules
-from distkit.trainer._loop import report as _report, state as _state
+from distkit.trainer._loop import model_io as _model_io, report as _report, state as _state
 from distkit.trainer._loop.batches import length
 from distkit.trainer._loop.state import (
     _is_inside,
@@ -94,6 +94,7 @@ def setup(
     # Names of the parameters as given: a strategy that replaces them (FSDP shards them) gets
     # an optimizer made over the originals rebound to the replacements.
     names = {id(p): name for name, p in model.named_parameters()}
+    _model_io.check_trains(model)
     stack.callback(strategy.teardown, model)
     strategy.prepare(model, device, trainer.precision)
     step_module = _StepModule(model, loss_fn, per_device=plan.kind == "dp")
@@ -383,6 +384,14 @@ def make_optimizer(
             f"the optimizer holds {foreign} parameter(s) that are not parameters of the model given "
             f"to fit() (was it made for another copy of the model?). Make it from this model's "
             f"parameters, or pass a function: optimizer=functools.partial(torch.optim.Adam, lr=1e-3)."
+        )
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(p.requires_grad for p in held):
+        raise ValueError(
+            f"the optimizer updates nothing: its {len(held)} parameter(s) all have "
+            f"requires_grad=False (frozen), so fit() would not change the model. Make it from the "
+            f"parameters that train, e.g. (p for p in model.parameters() if p.requires_grad), or "
+            f"unfreeze them first (module.requires_grad_(True))."
         )
     return optimizer
 
