@@ -1,6 +1,8 @@
 """Lightning users' habits, each ported in our words from the peer's own test (named there):
 ckpt_path="best"/"last", Trainer.save_checkpoint, val_check_interval as a fraction of an epoch, and a
-Trainer made only to evaluate, without max_epochs or max_steps."""
+Trainer made only to evaluate, without max_epochs or max_steps; and what a training_step returns by
+mistake (None, loss.item(), a tuple, a misspelt key); and a LightningModule's members (self.log,
+self.trainer, self.device) asked of a plain module."""
 
 from __future__ import annotations
 
@@ -282,3 +284,80 @@ def test_save_checkpoint_on_one_rank_is_refused_at_once(ranks: Ranks, tmp_path: 
     elapsed, message = out[0]
     assert elapsed < 15, elapsed
     assert "all_gather_object" in message and "call it on every rank" in message, message
+
+
+class _Returns(nn.Module):
+    """A Lightning-style module whose training_step returns ``what(loss)``."""
+
+    def __init__(self, what: Any) -> None:
+        super().__init__()
+        self.net, self.what = _model(), what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return self.what(nn.functional.cross_entropy(self(x), y))
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        (lambda loss: None, r"got None: end it with `return loss`"),
+        (lambda loss: loss.item(), r"got a float \(.*\): return the loss tensor itself, not loss\.item\(\)"),
+        (lambda loss: {"los": loss}, r"got a dict without it \(keys: 'los'\)\. Did you mean 'loss' instead"),
+        (lambda loss: (loss, 1.0), r"got a tuple of 2; return \{'loss': loss, 'name': value, \.\.\.\}"),
+        (lambda loss: loss.detach(), r"one-element loss tensor that requires grad .*not detached"),
+    ],
+)
+def test_a_training_step_that_returns_no_loss_says_what_to_return(
+    tmp_path: Path, what: Any, expected: str
+) -> None:
+    trainer = _trainer(tmp_path, max_steps=1)
+    with pytest.raises(TypeError, match=expected):
+        trainer.fit(_Returns(what), _data(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+class _AsksFor(nn.Module):
+    """A model whose training_step and validation_step read ``self.<name>``, as a LightningModule's do."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.net, self.name = _model(), name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        getattr(self, self.name)
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    validation_step = training_step
+
+
+@pytest.mark.parametrize(
+    ("name", "instead"),
+    [
+        ("log", r"return the values instead: training_step's dict beside 'loss'"),
+        ("trainer", r"a Callback's hooks get the Trainer"),
+        ("device", r"next\(self\.parameters\(\)\)\.device"),
+        ("log_dict", r"return the values instead"),
+    ],
+)
+def test_a_lightningmodule_member_the_model_asks_for_is_named_with_what_to_use(
+    tmp_path: Path, name: str, instead: str
+) -> None:
+    expected = rf"no attribute '{name}'\ndistkit: self\.{name} is a LightningModule's.*{instead}"
+    with pytest.raises(AttributeError, match=expected):
+        _trainer(tmp_path, max_steps=1).fit(
+            _AsksFor(name), _data(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1)
+        )
+    with pytest.raises(AttributeError, match=expected):
+        _trainer(tmp_path).validate(_AsksFor(name), _data())
+
+
+def test_an_attribute_no_lightningmodule_has_gets_no_note(tmp_path: Path) -> None:
+    with pytest.raises(AttributeError) as caught:
+        _trainer(tmp_path).validate(_AsksFor("hiden"), _data())
+    assert str(caught.value) == "'_AsksFor' object has no attribute 'hiden'"

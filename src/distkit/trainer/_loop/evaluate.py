@@ -103,9 +103,7 @@ def evaluate(
             if callable(step_fn):
                 out = step_fn(batch, batch_idx)
                 if not isinstance(out, Mapping):
-                    raise TypeError(
-                        f"{step_fn.__name__}() must return a dict of metrics, got {type(out).__name__}."
-                    )
+                    raise TypeError(_not_a_dict(step_fn.__name__, out))
                 size = batch_size(batch)
                 for name, value in out.items():
                     add(name, value, size)
@@ -244,3 +242,19 @@ def end_epoch(run: Run) -> None:
         cb.on_train_epoch_end(run.trainer, metrics)
     # Built-in callbacks decide from identical metrics, a user's callback may not: agree once.
     run.should_stop = any_rank(run.should_stop)
+
+
+def _not_a_dict(step: str, out: Any) -> str:
+    """What a validation_step/test_step returned instead of its metrics, and what to return."""
+    prefix = "test" if step.startswith("test") else "val"
+    example = f"{{'{prefix}_loss': loss, '{prefix}_acc': (correct, count)}}"
+    if out is None:
+        got = (
+            f"None: return the metrics, e.g. {example}. There is no self.log: the dict's entries are "
+            f"the metrics, reduced over every sample of every rank."
+        )
+    elif isinstance(out, (torch.Tensor, int, float)):
+        got = f"a {type(out).__name__}: name it in a dict, e.g. {example}."
+    else:
+        got = f"{type(out).__name__}."
+    return f"{step}() must return a dict of metrics, got {got}"

@@ -61,6 +61,7 @@ def _prepare(
     return loader, precision, sharded, device
 
 
+@_model_io.noting_lightning_habits
 def evaluate(
     trainer: Options,
     shown: Run | Outcome,
@@ -104,6 +105,7 @@ def evaluate(
     return result
 
 
+@_model_io.noting_lightning_habits
 @torch.no_grad()
 def predict(
     trainer: Options,

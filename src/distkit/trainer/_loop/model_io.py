@@ -18,12 +18,13 @@ one-element tensor of a tuple (nanoGPT's ``(logits, loss)``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ _TRAINING_STEP_EXAMPLE = (
     "        inputs, target = batch\n"
     "        return torch.nn.functional.cross_entropy(self(inputs), target)\n"
 )
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def target_parameter(module: nn.Module) -> str | None:
@@ -373,3 +377,67 @@ def check_trains(model: nn.Module) -> None:
 def _module_attributes() -> set[str]:
     """The names of the attributes every nn.Module has (``_modules``, ``_parameters``, hooks)."""
     return set(vars(nn.Module()))
+
+
+# What a LightningModule has that an nn.Module here does not, and what to use instead.
+_LIGHTNING_HAS = {
+    "log": "return the values instead: training_step's dict beside 'loss' ({'loss': loss, "
+    "'train_acc': acc}), validation_step's dict of metrics; the Trainer logs them, reduced over "
+    "the ranks",
+    "trainer": "a Callback's hooks get the Trainer (on_train_batch_end(trainer, ...)); the model "
+    "does not hold it",
+    "device": "use the batch's device, or next(self.parameters()).device",
+    "print": "distkit.rank_zero_print(...) prints once",
+    "all_gather": "distkit.all_gather(tensor) (on every rank)",
+    "hparams": "TrainerCLI saves the run's whole config beside its checkpoints (docs/config.md)",
+    "manual_backward": "the Trainer calls backward() and the optimizer itself; training_step only "
+    "returns the loss",
+}
+_LIGHTNING_HAS.update(
+    log_dict=_LIGHTNING_HAS["log"],
+    current_epoch=_LIGHTNING_HAS["trainer"],
+    global_step=_LIGHTNING_HAS["trainer"],
+    logger=_LIGHTNING_HAS["trainer"],
+    save_hyperparameters=_LIGHTNING_HAS["hparams"],
+    optimizers=_LIGHTNING_HAS["manual_backward"],
+    lr_schedulers=_LIGHTNING_HAS["manual_backward"],
+)
+
+
+def note_lightning_habit(err: BaseException) -> None:
+    """Add a note to an AttributeError a model raised asking itself for a LightningModule's member
+    (``self.log``, ``self.trainer``, ``self.device``): what to write here instead. Local."""
+    if not isinstance(err, AttributeError) or err.__traceback__ is None:
+        return
+    tb = err.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame
+    found = re.search(r"has no attribute '(\w+)'", str(err))
+    if (
+        frame.f_code.co_name != "__getattr__"
+        or not isinstance(frame.f_locals.get("self"), nn.Module)
+        or found is None
+        or found.group(1) not in _LIGHTNING_HAS
+    ):
+        return
+    name = found.group(1)
+    # In the message itself (exception notes need Python 3.11).
+    err.args = (
+        f"{err}\ndistkit: self.{name} is a LightningModule's, not an nn.Module's, and distkit's models are "
+        f"plain modules: {_LIGHTNING_HAS[name]}. See docs/migrating.md.",
+    )
+
+
+def noting_lightning_habits(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` (validate, test, predict), with :func:`note_lightning_habit` on its AttributeError."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except AttributeError as err:
+            note_lightning_habit(err)
+            raise
+
+    return call

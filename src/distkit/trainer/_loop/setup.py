@@ -225,6 +225,7 @@ def join_job(plan: strategies._Plan) -> None:
 
 def on_failure(trainer: Options, err: BaseException) -> None:
     """What a failed ``fit`` does before its error goes on."""
+    _model_io.note_lightning_habit(err)
     # This rank's own error: the other ranks learn it first. A collective that failed because a
     # rank ended: one report of where every rank is, naming that rank, and this rank exits.
     runtime._on_failure(err)

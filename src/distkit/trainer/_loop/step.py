@@ -4,6 +4,7 @@ decisions. The small readers of batches live in :mod:`distkit.trainer._loop.batc
 
 from __future__ import annotations
 
+import difflib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -114,7 +115,7 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     else:
         raise TypeError(
             f"training_step() must return the loss tensor or a dict with a 'loss' entry, got "
-            f"{type(output).__name__}."
+            f"{_returned(output)}"
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise TypeError(
@@ -122,6 +123,31 @@ def _split_step_output(output: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             "the model's output, not detached or converted with .item())."
         )
     return loss.reshape(()), extras
+
+
+def _returned(output: Any) -> str:
+    """What a training_step returned instead of the loss, and what to return instead."""
+    if output is None:
+        return (
+            "None: end it with `return loss`. The Trainer calls backward() and the optimizer itself, "
+            "so training_step does not."
+        )
+    if isinstance(output, Mapping):
+        keys = [str(key) for key in output]
+        close = difflib.get_close_matches("loss", keys, n=1, cutoff=0.6)
+        hint = f" Did you mean 'loss' instead of {close[0]!r}?" if close else ""
+        return f"a {type(output).__name__} without it (keys: {', '.join(map(repr, keys))}).{hint}"
+    if isinstance(output, (tuple, list)):
+        return (
+            f"a {type(output).__name__} of {len(output)}; return {{'loss': loss, 'name': value, ...}} "
+            f"to log other values beside the loss."
+        )
+    if isinstance(output, (int, float)):
+        return (
+            f"a {type(output).__name__} ({output!r}): return the loss tensor itself, not loss.item() "
+            f"(backward needs the tensor)."
+        )
+    return f"{type(output).__name__}."
 
 
 def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bool:
