@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,27 @@ def test_a_backend_name_torch_does_not_know_is_refused_even_in_a_world_of_one(
         distkit.init(backend="ncll")
     with pytest.raises(ValueError, match=r"backend 'tcp' is not a torch.distributed backend \(gloo, nccl"):
         distkit.init(backend="tcp")
+    assert not distkit.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: distkit.init(timeout=30),
+        lambda: distkit.barrier(timeout=60),  # torch's dist.barrier(timeout=...) habit
+        lambda: distkit.main_process_first(timeout=5),
+        lambda: distkit.save_checkpoint("unused", {}, timeout=5),
+        lambda: distkit.download("unused", "unused", timeout=5),
+    ],
+)
+def test_a_duration_without_its_s_names_the_argument_meant(
+    clean_env: pytest.MonkeyPatch, call: Callable[[], object]
+) -> None:
+    # Python names only the unknown keyword; distkit's durations are seconds named *_s.
+    with pytest.raises(
+        TypeError, match=r"\(\) got an unexpected keyword argument 'timeout'\. Did you mean timeout_s="
+    ):
+        call()
     assert not distkit.is_initialized()
 
 

@@ -880,12 +880,49 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"logger": CSVLogger}, TypeError, r"the class CSVLogger: pass an instance, CSVLogger\(\.\.\.\)"),
         ({"strategy": DDPStrategy}, ValueError, r"Did you mean DDPStrategy\(\)\?"),
         ({"profiler": TorchProfiler}, ValueError, r"Did you mean TorchProfiler\(\)\?"),
+        # Keywords the Trainer does not take: a slip, or Lightning's name (Python names neither).
+        (
+            {"max_epoch": 3},
+            TypeError,
+            r"Trainer\(\) got an unexpected keyword argument 'max_epoch'\. Did you mean max_epochs=",
+        ),
+        ({"hang_timeout": 60}, TypeError, r"Did you mean hang_timeout_s=\? distkit's durations are seconds"),
+        ({"gpus": 2}, TypeError, r"'gpus': devices=N"),
+        (
+            {"accelerator": "cpu"},
+            TypeError,
+            r"'accelerator': the Trainer trains on CUDA when torch sees",
+        ),
+        ({"num_nodes": 2}, TypeError, r"'num_nodes': the nodes come from the launcher"),
+        ({"weights": 1}, TypeError, r"'weights'; it takes strategy, devices, precision, max_epochs"),
     ],
 )
 def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match) -> None:
     options = {"max_epochs": 1, **kwargs}
     with pytest.raises(error, match=match):
         Trainer(**options)
+
+
+def test_keywords_that_fit_and_modelcheckpoint_do_not_take_name_the_one_meant(tmp_path) -> None:
+    trainer, model, data = Trainer(max_epochs=1), SimpleModel(), RandomDataset(20, 8)
+    optimizer = functools.partial(torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"Trainer\.fit\(\) got .* 'train_dataloaders': pass the training"):
+        trainer.fit(model, train_dataloaders=data, optimizer=optimizer)
+    with pytest.raises(TypeError, match=r"'optimiser'\. Did you mean optimizer=\?"):
+        trainer.fit(model, data, optimiser=optimizer)
+    with pytest.raises(TypeError, match=r"'criterion': the loss function goes in loss_fn="):
+        trainer.fit(model, data, optimizer=optimizer, criterion=nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match=r"Trainer\.validate\(\) got .* 'dataloaders': pass the data"):
+        trainer.validate(model, dataloaders=data)
+    with pytest.raises(TypeError, match=r"Trainer\.predict\(\) got .* 'datamodule': pass the dataset"):
+        trainer.predict(model, datamodule=data)
+    with pytest.raises(TypeError, match=r"ModelCheckpoint\(\) got .* 'save_top_k': keep_best=k"):
+        ModelCheckpoint(str(tmp_path), monitor="val_loss", save_top_k=1)
+    with pytest.raises(TypeError, match=r"'every_n_train_steps': it is every_n_steps= here"):
+        ModelCheckpoint(str(tmp_path), every_n_train_steps=100)
+    # A TypeError from inside the call (a call that binds) is left as it is.
+    with pytest.raises(TypeError, match=r"^seed must be an int, got str 'x'\.$"):
+        Trainer(seed="x")
 
 
 def test_one_callback_alone_is_taken_as_lightning_takes_it() -> None:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from distkit import collectives, runtime
+from distkit._utils.slips import names_slips
 from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
 
 __all__ = ["main_process_first", "run_on_main"]
@@ -404,6 +405,7 @@ def _follow_without_store(section: _Section) -> Any:
 # -- public API -----------------------------------------------------------------------------------
 
 
+@names_slips()
 def main_process_first(
     *, local: bool = False, rank: int = 0, timeout_s: float = _DEFAULT_TIMEOUT_S
 ) -> contextlib.AbstractContextManager[None]:
@@ -444,7 +446,7 @@ def main_process_first(
         >>> with distkit.main_process_first():
         ...     path = "data/train.bin"  # download or preprocess here; others reuse the result
     """
-    caller = sys._getframe(1)
+    caller = sys._getframe(2)  # 1 is names_slips's wrapper
     # Where a never-entered section's warning points (the frame itself is not kept: it holds locals).
     where = (
         caller.f_code.co_filename,

@@ -90,6 +90,8 @@ _DISTKIT_EXEMPT = {
 _CALLERS = ("distkit.bench.", "distkit.checkpoint.", "distkit.testing.", "distkit.trainer.")
 # Thin wrappers of the Trainer whose caller is the more useful line.
 _TRAINER_PASSTHROUGH = frozenset({"distkit.trainer.precision"})
+# distkit's decorators around public functions: the function inside is the entry a report names.
+_WRAPPERS = frozenset({"distkit._utils.slips"})
 # Local names a hand-written loop commonly counts its steps in.
 _STEP_NAMES = ("step", "global_step", "iter_num", "iteration", "it")
 
@@ -265,7 +267,7 @@ def _distkit_entry(frames: Frames, shown: int | None, decisive: int) -> str | No
     start = shown - 1 if shown is not None else len(frames) - 1
     for index in range(start, decisive - 1, -1):
         code = frames[index][0]
-        if _category(code.co_filename) == "distkit":
+        if _category(code.co_filename) == "distkit" and _module(code.co_filename) not in _WRAPPERS:
             return _qualname(code)
     return None
 

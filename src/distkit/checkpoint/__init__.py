@@ -47,6 +47,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from distkit._utils.slips import names_slips
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
 from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, ForeignCheckpointError
 from distkit.checkpoint._files import _storage_for
@@ -73,6 +74,7 @@ __all__ = [
 ]
 
 
+@names_slips()
 def save_checkpoint(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from distkit._doctor import doctor as _hang
+from distkit._utils.slips import names_slips
 from distkit.errors import CollectiveTimeoutError
 from distkit.runtime._join import _require_runtime
 from distkit.runtime._ranks import get_world_size
@@ -19,6 +20,7 @@ from distkit.runtime._state import _doctor, _Runtime
 __all__: list[str] = []
 
 
+@names_slips()
 def barrier(timeout_s: float | None = None, *, group: Any = None) -> None:
     """Wait until every rank arrives, or raise naming the ranks that did not.
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from distkit._doctor import doctor as _hang
 from distkit._utils import daemon
+from distkit._utils.slips import names_slips
 from distkit.env import LaunchEnv, detect_env
 from distkit.errors import CollectiveTimeoutError, DistkitError
 from distkit.runtime import _state
@@ -324,6 +325,7 @@ def _adopt_existing_group(timeout_s: float) -> _Runtime:
     return _Runtime(env, backend, device, timeout_s, store, cpu_group, owns_group=False)
 
 
+@names_slips()
 def init(
     backend: str | None = None,
     *,

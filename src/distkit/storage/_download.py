@@ -28,6 +28,7 @@ import fsspec
 from distkit import coordination
 from distkit._utils.fs import atomic_open, fsync_dir, temp_name, umask_mode
 from distkit._utils.secrets import Scrubber
+from distkit._utils.slips import names_slips
 from distkit.errors import DistkitError
 from distkit.storage._transfer import (
     _CHUNK,
@@ -417,6 +418,7 @@ def _parse_manifest(data: bytes, shown: str) -> dict[str, tuple[int, str]]:
         ) from None
 
 
+@names_slips()
 def download(
     source: str | os.PathLike[str],
     dest: str | os.PathLike[str],

@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from distkit import runtime
+from distkit._utils.slips import names_slips
 from distkit.collectives import any_rank
 
 __all__ = [
@@ -166,6 +167,16 @@ class Callback:
         """Restore what :meth:`state_dict` returned. Local."""
 
 
+# Lightning's ModelCheckpoint names, and what they are here.
+_CHECKPOINT_MEANT = {
+    "save_top_k": "keep_best=k (the best k by monitor=), beside keep_last=n (the newest n)",
+    "save_last": "the newest checkpoints are always kept: keep_last=n says how many",
+    "every_n_train_steps": "it is every_n_steps= here",
+    "train_time_interval": "every_n_minutes= (a number of minutes)",
+    "filename": "the checkpoints are named by their step (step_000001000) inside dirpath",
+}
+
+
 class ModelCheckpoint(Callback):
     """Save resumable checkpoints through :class:`distkit.CheckpointManager`.
 
@@ -216,6 +227,7 @@ class ModelCheckpoint(Callback):
         >>> hourly = ModelCheckpoint("runs/ckpt", every_n_epochs=0, every_n_minutes=60, keep_last=2)
     """
 
+    @names_slips(_CHECKPOINT_MEANT)
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,

@@ -35,6 +35,7 @@ from torch import nn
 
 from distkit import runtime
 from distkit._doctor.doctor import check_timeout
+from distkit._utils.slips import names_slips
 from distkit.checkpoint import save_checkpoint
 from distkit.collectives import all_gather_object
 from distkit.data._checks import check_not_tensor_tuple
@@ -60,6 +61,27 @@ from distkit.trainer.strategies import DDPStrategy, FSDPStrategy
 __all__ = ["Trainer"]
 
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
+
+
+# Lightning's names for what the Trainer's arguments are (and plain torch's habits).
+_TRAINER_MEANT = {
+    "gpus": "devices=N (processes under DDP/FSDP, GPUs under DP)",
+    "accelerator": "the Trainer trains on CUDA when torch sees a GPU, else on the CPU; devices=N "
+    "says how many",
+    "num_nodes": "the nodes come from the launcher the Trainer joins (torchrun --nnodes, SLURM's srun)",
+}
+_FIT_MEANT = {
+    "train_dataloaders": "pass the training data (a dataset or a DataLoader) as train_data, fit's "
+    "second argument",
+    "val_dataloaders": "pass the validation data as val_data, fit's third argument",
+    "datamodule": "pass the datasets themselves: fit(model, train_data, val_data)",
+    "criterion": "the loss function goes in loss_fn=",
+}
+_EVALUATE_MEANT = {
+    "dataloaders": "pass the data (a dataset or a DataLoader) as data, the second argument",
+    "datamodule": "pass the dataset itself as data, the second argument",
+    "criterion": "the loss function goes in loss_fn=",
+}
 
 
 class Trainer:
@@ -215,6 +237,7 @@ class Trainer:
     # process, or an Outcome (before any fit, and after one that ran in processes it started).
     _shown: Run | Outcome
 
+    @names_slips(_TRAINER_MEANT)
     def __init__(
         self,
         *,
@@ -476,6 +499,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # fit
 
+    @names_slips(_FIT_MEANT)
     def fit(
         self,
         model: nn.Module,
@@ -626,6 +650,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # validate, test, predict
 
+    @names_slips(_EVALUATE_MEANT)
     def validate(
         self,
         model: nn.Module,
@@ -665,6 +690,7 @@ class Trainer:
             self, self._shown, "val", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
         )
 
+    @names_slips(_EVALUATE_MEANT)
     def test(
         self,
         model: nn.Module,
@@ -686,6 +712,7 @@ class Trainer:
             self, self._shown, "test", model, data, ckpt_path=ckpt_path, loss_fn=loss_fn, metrics=metrics
         )
 
+    @names_slips(_EVALUATE_MEANT)
     def predict(
         self,
         model: nn.Module,
