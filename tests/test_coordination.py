@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,7 +33,7 @@ def _append(path: str, line: str) -> None:
 
 def _section_keys(call: int, scope: str = "all") -> list[str]:
     prefix = f"main_first/0/{call}/{scope}"
-    return [f"{prefix}/{name}" for name in ("status", "beat", "done", "leader")]
+    return [f"{prefix}/{name}" for name in ("status", "beat", "done", "leader", "site")]
 
 
 # -- order and results ------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_main_process_runs_the_block_before_the_others_and_leaves_no_keys(ranks,
     leftovers = ranks.run(main_goes_first, str(log), world_size=2)
     assert log.read_text().split("\n")[:2] == ["enter 0", "exit 0"]
     assert sorted(log.read_text().splitlines()) == ["enter 0", "enter 1", "exit 0", "exit 1"]
-    assert leftovers == [[False] * 4, [False] * 4]
+    assert leftovers == [[False] * 5, [False] * 5]
 
 
 def _record_call(path: str, *, tag: str) -> dict[str, Any]:
@@ -74,6 +75,44 @@ def test_run_on_main_calls_once_and_returns_the_same_object_everywhere(ranks, tm
     results = ranks.run(run_on_main_everywhere, str(calls), world_size=2)
     assert results == [{"rank": 0, "tag": "shared", "values": [0, 1, 2]}] * 2
     assert calls.read_text() == "called on rank 0\n"
+
+
+def _config(name: str) -> dict[str, str]:
+    return {"config": name}
+
+
+def sections_out_of_step(order: str) -> str:
+    try:
+        if order == "one rank more":
+            if distkit.is_main_process():  # the slip: a collective section on one rank only
+                distkit.run_on_main(_config, "warm-up")
+            config = distkit.run_on_main(_config, "train")
+            return f"took {config}"
+        if distkit.get_rank() == 0:  # the same two sections, in the other order on rank 1
+            with distkit.main_process_first(timeout_s=60):
+                pass
+            return f"took {distkit.run_on_main(_config, 'vocab')}"
+        config = distkit.run_on_main(_config, "vocab")
+        with distkit.main_process_first(timeout_s=60):
+            pass
+        return f"took {config}"
+    except distkit.CollectiveMismatchError as err:
+        assert err.missing_ranks == [0]
+        return str(err)
+
+
+@pytest.mark.parametrize("order", ["one rank more", "another order"])
+def test_sections_made_in_another_order_or_number_are_refused_not_paired(ranks, order: str) -> None:
+    # Was: rank 1 took the main process's warm-up config (or None) in silence.
+    main, other = ranks.run(sections_out_of_step, order, world_size=2, fresh=True, timeout_s=60)
+    assert main.startswith("took {'config': ")
+    line = "run_on_main(_config) at test_coordination.py:"
+    paired = "run_on_main(_config)" if order == "one rank more" else "main_process_first()"
+    assert re.match(
+        rf"\[rank 1/2\] this rank's {re.escape(line)}\d+ was paired with the main process \(rank 0\)'s "
+        rf"{re.escape(paired)} at test_coordination\.py:\d+: the ranks made main-first sections",
+        other,
+    ), other
 
 
 def many_sections(n: int) -> list[bool]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from distkit import collectives, runtime
 from distkit._utils.slips import names_slips
-from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
+from distkit.errors import CollectiveMismatchError, CollectiveTimeoutError, DistkitError, MainProcessError
 
 __all__ = ["main_process_first", "run_on_main"]
 
@@ -124,12 +124,17 @@ class _Box:
 class _Section:
     """One main-first section as this rank sees it: its role, its store keys and how to report."""
 
-    def __init__(self, *, local: bool, what: str, first: int = 0) -> None:
+    def __init__(self, *, local: bool, what: str, site: str, first: int = 0) -> None:
         rt = runtime._require_runtime(what)
         env = rt.env
         self.rank, self.world_size, self.node_rank = env.rank, env.world_size, env.node_rank
         self.local = local
         self.what = what
+        # Where this rank made the section ("main_process_first() at train.py:12"): the sections
+        # are paired by their count, so ranks that made them in another order or number are told
+        # by the sites, which the main process publishes (the same code on every rank makes the
+        # same sites).
+        self.site = site
         self.store = rt.store
         # The (local, with local=True) rank that goes first: 0, the main process, by default.
         self.first = first
@@ -146,6 +151,7 @@ class _Section:
         self.beat_key = f"{prefix}/beat"
         self.done_key = f"{prefix}/done"
         self.leader_key = f"{prefix}/leader"
+        self.site_key = f"{prefix}/site"
 
     @property
     def label(self) -> str:
@@ -173,6 +179,7 @@ class _Section:
         store = self._live_store
         if self.local:
             store.set(self.leader_key, str(self.rank))
+        store.set(self.site_key, self.site)
         store.add(self.beat_key, 1)  # the first beat also says "the main process has arrived"
         stop = threading.Event()
         beater = threading.Thread(
@@ -256,7 +263,9 @@ class _Section:
             watcher.join(_THREAD_STOP_S)
         status = pickle.loads(store.get(self.status_key))
         leader_rank = self._leader_rank()
+        site = store.get(self.site_key).decode() if store.check([self.site_key]) else self.site
         self._cleanup(keep_status=status[0] == _DEAD)
+        self.check_site(site, leader_rank)
         return self._outcome(status, leader_rank)
 
     def _leader_rank(self) -> int | None:
@@ -276,12 +285,27 @@ class _Section:
         store = self._live_store
         if store.add(self.done_key, 1) < self.followers:
             return
-        keys = [self.beat_key, self.done_key, self.leader_key]
+        keys = [self.beat_key, self.done_key, self.leader_key, self.site_key]
         if not keep_status:
             keys.append(self.status_key)
         for key in keys:
             with contextlib.suppress(RuntimeError):
                 store.delete_key(key)
+
+    def check_site(self, site: str, leader_rank: int | None) -> None:
+        """Raise when the leader's section paired with this one was made elsewhere."""
+        if site == self.site:
+            return
+        who = self.leader_name(leader_rank)
+        raise CollectiveMismatchError(
+            f"{self.label} this rank's {self.site} was paired with the {who}'s {site}: the ranks "
+            f"made main-first sections (main_process_first, run_on_main) in another order or "
+            f"number, so each would have waited for, or taken the result of, another section. "
+            f"They are collective: call them on every rank, in the same order, and not under "
+            f"`if is_main_process():`.",
+            missing_ranks=[leader_rank] if leader_rank is not None else [],
+            where=[f"rank {leader_rank if leader_rank is not None else '?'}: {site}"],
+        )
 
     def _outcome(self, status: tuple[Any, ...], leader_rank: int | None) -> Any:
         who = self.leader_name(leader_rank)
@@ -369,7 +393,9 @@ def _gather_status(section: _Section, status: tuple[Any, ...] | None) -> tuple[A
     # A group adopted without a reachable store: every rank meets in one gather over gloo, so the
     # wait is bounded by the process group's timeout instead of timeout_s.
     try:
-        everyone = collectives.all_gather_object((section.node_rank, section.is_leader, section.rank, status))
+        everyone = collectives.all_gather_object(
+            (section.node_rank, section.is_leader, section.rank, status, section.site)
+        )
     except RuntimeError as err:
         raise DistkitError(
             f"{section.label} {section.what} failed while waiting for the "
@@ -377,11 +403,13 @@ def _gather_status(section: _Section, status: tuple[Any, ...] | None) -> tuple[A
             f"its error above."
         ) from err
     # Every node has a local rank 0 and the job a rank 0, so a leader is always found.
-    return next(
-        (rank, leader_status)
-        for node_rank, is_leader, rank, leader_status in everyone
+    leader_rank, leader_status, site = next(
+        (rank, leader_status, site)
+        for node_rank, is_leader, rank, leader_status, site in everyone
         if is_leader and (not section.local or node_rank == section.node_rank)
     )
+    section.check_site(site, leader_rank)
+    return leader_rank, leader_status
 
 
 @contextlib.contextmanager
@@ -474,7 +502,8 @@ class _FirstSection(contextlib.ContextDecorator):
                 "this main_process_first() section is already entered; call main_process_first() "
                 "again for another section."
             )
-        self._inner = _main_process_first(*self._args)
+        filename, lineno = self._where[:2]
+        self._inner = _main_process_first(*self._args, site=_site(filename, lineno))
         self._inner.__enter__()
 
     def __exit__(self, *exc: Any) -> bool | None:
@@ -507,7 +536,7 @@ class _FirstSection(contextlib.ContextDecorator):
 
 
 @contextlib.contextmanager
-def _main_process_first(local: bool, rank: int, timeout_s: float) -> Iterator[None]:
+def _main_process_first(local: bool, rank: int, timeout_s: float, *, site: str) -> Iterator[None]:
     """The section itself (see :func:`main_process_first`)."""
     timeout_s = _check_timeout(timeout_s)
     _check_first(rank, local=local)
@@ -515,7 +544,7 @@ def _main_process_first(local: bool, rank: int, timeout_s: float) -> Iterator[No
         yield
         return
     what = "main_process_first()" if rank == 0 else f"main_process_first(rank={rank})"
-    section = _Section(local=local, what=what, first=rank)
+    section = _Section(local=local, what=what, site=f"{what} at {site}", first=rank)
     if section.followers == 0:  # local=True on a node with one process: nobody waits
         yield
         return
@@ -543,11 +572,12 @@ def _run_leader_first(
     local: bool,
     timeout_s: float,
     what: str,
+    site: str,
 ) -> R:
     """Run ``fn`` on the main (or local main) process only; return its result on every rank."""
     if runtime.get_world_size() == 1:
         return fn(*args, **kwargs)
-    section = _Section(local=local, what=what)
+    section = _Section(local=local, what=what, site=site)
     if section.followers == 0:
         return fn(*args, **kwargs)
     if section.store is None:
@@ -593,6 +623,15 @@ def run_on_main(fn: Callable[..., R], *args: Any, local: bool = False, **kwargs:
         [1, 2, 3]
     """
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    what = f"run_on_main({name})"
+    caller = sys._getframe(1)
+    site = f"{what} at {_site(caller.f_code.co_filename, caller.f_lineno)}"
     return _run_leader_first(
-        fn, args, dict(kwargs), local=local, timeout_s=_DEFAULT_TIMEOUT_S, what=f"run_on_main({name})"
+        fn, args, dict(kwargs), local=local, timeout_s=_DEFAULT_TIMEOUT_S, what=what, site=site
     )
+
+
+def _site(filename: str, lineno: int) -> str:
+    """A call site as every rank names it alike: the file's name, not its path (which differs
+    between nodes that hold the code in other directories)."""
+    return f"{os.path.basename(filename)}:{lineno}"

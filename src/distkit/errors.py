@@ -33,7 +33,9 @@ class CollectiveMismatchError(DistkitError):
     Raised at once, on the ranks that arrived, when a distkit collective (``barrier``,
     ``reduce_metrics``, the gathers, a checkpoint save's gather) was started by some ranks only:
     the ranks that did not arrive wait in another collective, or have left the job. See
-    ``docs/debugging.md``.
+    ``docs/debugging.md``. Also raised on a waiting rank whose ``main_process_first`` or
+    ``run_on_main`` section was paired with one the main process made at another line (the ranks
+    made sections in another order or number).
 
     Attributes:
         missing_ranks: The ranks that can never arrive.

@@ -501,6 +501,7 @@ def download(
             local=local,
             timeout_s=job.timeout_s + _FOLLOWER_GRACE_S,
             what=f"download({job.shown})",
+            site=f"download({job.shown})",
         )
         # Same file as the fetching rank saw: done. Otherwise this rank is on another node than the
         # fetching one (local=False without a shared filesystem): fetch here, under the lock.
