@@ -234,6 +234,44 @@ def test_a_module_given_as_the_state_is_refused_naming_the_mapping_to_pass(tmp_p
         distkit.load_checkpoint(tmp_path / "nowhere", model)
 
 
+@pytest.mark.parametrize("step", ["3", -1, 1.0, True, torch.tensor(3)])
+def test_a_step_a_load_would_refuse_is_refused_before_anything_is_written(tmp_path, step) -> None:
+    # Was: saved and committed, then refused by every load as "not usable" (its manifest's step).
+    with pytest.raises(ValueError, match=r"step must be an integer >= 0 or None, got "):
+        distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)}, step=step)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match=r"step must be an integer >= 0"):
+        distkit.CheckpointManager(tmp_path / "m").save(step, {"model": nn.Linear(2, 2)})
+
+
+def test_a_numpy_step_is_recorded_as_an_int_and_metrics_must_be_a_mapping(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)}, step=np.int64(4))
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["step"] == 4
+    distkit.load_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
+    # Was: AttributeError: 'list' object has no attribute 'items'.
+    with pytest.raises(TypeError, match=r"metrics must map names to numbers .* got list"):
+        distkit.save_checkpoint(tmp_path / "d", {"model": nn.Linear(2, 2)}, metrics=[("loss", 1.0)])
+
+
+def test_a_home_path_a_bytes_path_and_a_protocol_typo(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    # Was: a directory named "~" in the working directory (and `rm -rf ~` to clean it up).
+    saved = distkit.save_checkpoint("~/ckpt", {"model": nn.Linear(2, 2)})
+    assert saved == str(tmp_path / "home" / "ckpt") and not (tmp_path / "~").exists()
+    assert distkit.CheckpointManager("~/runs").path_for(3).startswith(str(tmp_path / "home" / "runs"))
+    distkit.load_checkpoint(os.fsencode(saved), {"model": nn.Linear(2, 2)})  # was a TypeError
+    # Was fsspec's "Protocol not known: s4".
+    with pytest.raises(ValueError, match=r"fsspec knows no protocol 's4'\. Did you mean s3://\?"):
+        distkit.save_checkpoint("s4://bucket/ckpt", {"model": nn.Linear(2, 2)})
+
+
+def test_strict_that_is_not_a_bool_is_refused_not_taken_as_true(tmp_path) -> None:
+    distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
+    with pytest.raises(TypeError, match=r"strict must be True or False, got str 'no' \(a non-empty string"):
+        distkit.load_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)}, strict="no")
+
+
 def test_missing_entries_raise_when_strict_and_are_skipped_with_a_warning_otherwise(tmp_path) -> None:
     distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
     with pytest.raises(distkit.DistkitError, match=r"no entries \['optimizer'\].*holds \['model'\]"):

@@ -681,6 +681,35 @@ def test_a_full_pass_on_one_rank_is_realigned_by_set_epoch_or_raises_at_the_end_
         assert "Call set_epoch(epoch) on every rank right before each epoch's loop" in message
 
 
+def extra_pass_then_distkit_collectives_only(sync: str) -> Any:
+    """Rank 0 runs a whole extra pass; then an epoch whose steps exchange through distkit only
+    (its own gloo group, or the store's barrier), never the default group."""
+    loader = distkit.distributed_dataloader(list(range(20)), batch_size=2)
+    if distkit.get_rank() == 0:
+        for _ in loader:
+            pass
+    try:
+        for step, _ in enumerate(loader):
+            if sync == "reduce_metrics":
+                distkit.reduce_metrics({"loss": 1.0})
+            else:
+                distkit.barrier(timeout_s=60)
+                if step == 1:
+                    break
+    except distkit.DistkitError as err:
+        return str(err)
+    return loader.state_dict()["batches_consumed"]
+
+
+def test_the_epoch_check_counts_distkits_own_collectives(ranks) -> None:
+    # Was: no error, and every epoch covered some samples twice and others never.
+    for message in ranks.run(extra_pass_then_distkit_collectives_only, "reduce_metrics", world_size=2):
+        assert "alongside it (both passes started after the same collective)" in message
+    # Was: a loop synchronised by distkit.barrier alone counted as one rank's look at a batch, so
+    # its state said 0 batches consumed and a resume replayed the epoch.
+    assert ranks.run(extra_pass_then_distkit_collectives_only, "barrier", world_size=2) == [2, 2]
+
+
 def _stop_every_epoch_after(
     loader: Any, steps: int, set_epoch_each_epoch: bool
 ) -> tuple[list[list[int]], str]:
@@ -841,6 +870,11 @@ def test_uneven_training_data_gives_every_rank_the_same_batch_count_and_never_ha
             r"leaves no batch: the dataset has 10 samples\. Pass batch_size <= 10",
         ),
         ({"seed": -1}, ValueError, r"seed must be in \[0, 18446744073709551615\], got -1"),
+        # A flag read from a config or the environment as a string: "False" is true to Python.
+        ({"shuffle": "False"}, TypeError, r"shuffle must be True, False or None, got str 'False' \(a"),
+        ({"drop_last": 1}, TypeError, r"drop_last must be True or False, got int 1"),
+        ({"evaluation": "yes"}, TypeError, r"evaluation must be True or False, got str"),
+        ({"pin_memory": "auto"}, TypeError, r"pin_memory must be True, False or None"),
     ],
 )
 def test_bad_loader_arguments_are_rejected_saying_what_to_change(
@@ -849,6 +883,19 @@ def test_bad_loader_arguments_are_rejected_saying_what_to_change(
     arguments = {"batch_size": 2, **kwargs}
     with pytest.raises(error, match=message):
         distkit.distributed_dataloader(list(range(10)), **arguments)
+
+
+def test_a_flag_that_is_not_a_bool_is_refused_not_taken_as_true() -> None:
+    # Was: shuffle="False" shuffled, in silence.
+    with pytest.raises(TypeError, match=r"shuffle must be True or False, got str 'False'"):
+        distkit.distributed_sampler(list(range(10)), shuffle="False")
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    with pytest.raises(TypeError, match=r"shuffle must be True, False or None, got str 'False'"):
+        distkit.distributed_dataloader(Stream(), batch_size=2, shuffle="False")
 
 
 def test_a_sampler_refuses_a_dataset_without_length_or_an_iterable_one_and_names_the_loader() -> None:

@@ -903,6 +903,11 @@ def test_bad_trainer_arguments_name_the_argument_and_value(kwargs, error, match)
         Trainer(**options)
 
 
+def test_a_home_root_dir_is_expanded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Trainer(default_root_dir="~/runs").default_root_dir == tmp_path / "runs"  # not ./~/runs
+
+
 def test_keywords_that_fit_and_modelcheckpoint_do_not_take_name_the_one_meant(tmp_path) -> None:
     trainer, model, data = Trainer(max_epochs=1), SimpleModel(), RandomDataset(20, 8)
     optimizer = functools.partial(torch.optim.SGD, lr=0.1)

@@ -47,6 +47,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from distkit._utils.checks import check_bool
 from distkit._utils.slips import names_slips
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
 from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, ForeignCheckpointError
@@ -228,6 +229,7 @@ def load_checkpoint(
     """
     if state is not None:
         _check_state(state)  # load_checkpoint(path, model): before reading anything
+    check_bool("strict", strict)
     storage, target = _storage_for(path)
     try:
         verified = _load_verified(storage, target, map_location)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -165,9 +166,24 @@ def _check_file_mode(file_mode: int) -> None:
         )
 
 
+def _step_for_manifest(step: Any) -> int | None:
+    """``step`` as the manifest records it; refused before anything is written when a load would
+    later refuse the checkpoint for it (a string, a float, a negative number)."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        hint = "; pass int(step)" if isinstance(step, (torch.Tensor, str, float)) else ""
+        raise ValueError(f"step must be an integer >= 0 or None, got {step!r} ({type(step).__name__}){hint}.")
+    return int(step)
+
+
 def _metrics_for_manifest(metrics: Mapping[str, Any] | None) -> dict[str, float] | None:
     if metrics is None:
         return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            f"metrics must map names to numbers (e.g. {{'val_loss': 0.31}}), got {type(metrics).__name__}."
+        )
     out = {}
     for key, value in metrics.items():
         try:

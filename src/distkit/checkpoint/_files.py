@@ -9,6 +9,7 @@ a :class:`distkit._utils.secrets.Scrubber` of the URL). Reading opens regular fi
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import functools
 import io
@@ -493,13 +494,29 @@ _Storage = _LocalStorage | _RemoteStorage
 
 
 def _storage_for(path: str | os.PathLike[str]) -> tuple[_Storage, str]:
-    text = os.fspath(path)
+    text = os.fsdecode(os.fspath(path))  # bytes too
     if text.startswith("file://"):
         text = text[len("file://") :]
     if "://" not in text:
-        return _LocalStorage(), text
+        # "~/runs" as a shell would read it: not a directory named "~" in the working directory.
+        return _LocalStorage(), os.path.expanduser(text)
     import fsspec
 
+    protocol = text.split("://", 1)[0]
+    # The protocols fsspec ships, and those a program registered (fsspec.register_implementation).
+    known = sorted(set(fsspec.available_protocols()) | set(fsspec.registry))
+    if protocol not in known:
+        # A slip keeps the first letter (s4, s3a, gcs): those are looked at first.
+        same = [name for name in known if name[:1] == protocol[:1]]
+        close = difflib.get_close_matches(protocol, same, n=1, cutoff=0.5) or difflib.get_close_matches(
+            protocol, known, n=1
+        )
+        hint = f"Did you mean {close[0]}://? " if close else ""
+        raise ValueError(
+            f"{redact_url(text)}: fsspec knows no protocol {protocol!r}. {hint}A local path needs no "
+            f"prefix (or file://); an object store needs its fsspec package (s3fs for s3://, gcsfs "
+            f"for gs://)."
+        )
     # One per storage, since it compiles a regex: a manager reuses it for every save.
     scrub = Scrubber(None, text)
     fs, _ = scrub.call(fsspec.core.url_to_fs, text)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from distkit._utils.secrets import redact_url
+from distkit.checkpoint._commit import _step_for_manifest
 from distkit.checkpoint._files import _LocalStorage
 from distkit.checkpoint._foreign import _identify_directory, _unknown
 from distkit.checkpoint._format import _MANIFEST_FILE
@@ -474,8 +475,7 @@ def _import_checkpoint(
 ) -> ImportReport:
     """:func:`distkit.checkpoint.import_checkpoint`: read ``src``, save it as a distkit checkpoint at
     ``dest``."""
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an integer >= 0 or None, got {step!r}.")
+    step = _step_for_manifest(step)
     if strip_prefix is not None and not isinstance(strip_prefix, str):
         raise TypeError(f"strip_prefix must be a string or None, got {strip_prefix!r}.")
     source = os.fspath(src)

@@ -27,6 +27,7 @@ from distkit.checkpoint._commit import (
     _metrics_for_manifest,
     _reported_to_the_others,
     _resolve_timeout,
+    _step_for_manifest,
 )
 from distkit.checkpoint._dcp_load import _load_everything, _restore_sharded
 from distkit.checkpoint._errors import CheckpointCorruptError
@@ -79,6 +80,7 @@ def _save_checkpoint(
     _check_file_mode(file_mode)
     _check_state(state)
     storage, target = _storage_for(path) if storage is None else (storage, os.fspath(path))
+    step = _step_for_manifest(step)
     metrics_json = _metrics_for_manifest(metrics)
     wait_s = _resolve_timeout(timeout_s)
     multi = runtime.get_world_size() > 1

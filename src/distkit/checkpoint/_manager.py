@@ -35,6 +35,7 @@ from distkit.checkpoint._commit import (
     _metrics_for_manifest,
     _reported_to_the_others,
     _resolve_timeout,
+    _step_for_manifest,
 )
 from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, _label
 from distkit.checkpoint._files import _join, _storage_for
@@ -323,8 +324,10 @@ class CheckpointManager:
             >>> manager.save(200, {"model": model}, metrics={"val_loss": 0.5})  # doctest: +SKIP
         """
         self.wait()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}.")
+        checked = _step_for_manifest(step)
+        if checked is None:
+            raise ValueError("step must be an integer >= 0, got None.")
+        step = checked
         metrics_json = _metrics_for_manifest(metrics)
         if self.monitor is not None and metrics_json is not None and self.monitor not in metrics_json:
             raise ValueError(
@@ -408,6 +411,7 @@ class CheckpointManager:
             CollectiveTimeoutError: Rank 0 did not report within ``timeout_s``.
 
         Example:
+            >>> import torch
             >>> manager = CheckpointManager("/tmp/ckpts_example", async_save=True, overwrite=True)
             >>> _ = manager.save(1, {"w": torch.ones(1)})
             >>> manager.wait()  # step 1 is committed now

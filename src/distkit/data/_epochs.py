@@ -24,26 +24,36 @@ __all__: list[str] = []
 # to tell passes the ranks made together from rank-local ones; all of it is per pass, not per batch.
 
 
+# distkit's collectives that go through the store, not a group: counted by the runtime.
+_STORE_COLLECTIVES = ("barrier", "main_process_first", "checkpoint")
+
+
 def _collectives_so_far(*, every_group: bool) -> int | None:
-    """Collectives this process has issued on the default group, or on every group it belongs to.
+    """Collectives this process has issued on the default group and distkit's own (its gloo group,
+    and its barriers, main-first sections and checkpoint saves, which go through the store), or on
+    every group it belongs to and distkit's own.
 
     ``None`` without a process group, or where the backend does not count them (gloo and NCCL do).
-    The default group's count is the same on every rank at the same point of a program, since every
-    rank issues the same collectives on it.
+    Without ``every_group`` the count is the same on every rank at the same point of a program,
+    since every rank issues the same collectives on those (a loop whose only exchange is
+    ``distkit.reduce_metrics`` or ``distkit.barrier`` counts too).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    state = runtime._current()
     try:
-        groups = (
-            list(dist.distributed_c10d._world.pg_map)
-            if every_group
-            else [dist.distributed_c10d._get_default_group()]
-        )
+        if every_group:
+            groups = list(dist.distributed_c10d._world.pg_map)
+        else:
+            groups = [dist.distributed_c10d._get_default_group()]
+            if state is not None and state.cpu_group is not None:
+                groups.append(state.cpu_group)
         # torch's stub of ProcessGroup lacks this getter; the binding has it.
         counts = [int(group._get_sequence_number_for_group()) for group in groups]  # type: ignore[attr-defined]
-        return sum(counts)
     except Exception:  # a private torch API on a backend that may lack it: then we cannot tell
         return None
+    store_based = 0 if state is None else sum(state.counters.get(kind, 0) for kind in _STORE_COLLECTIVES)
+    return sum(counts) + store_based
 
 
 def _rank_prefix(rank: int, world_size: int) -> str:
@@ -53,7 +63,7 @@ def _rank_prefix(rank: int, world_size: int) -> str:
 class _EpochCheck:
     """Tells the ranks apart when a full extra pass on some of them put them in different epochs.
 
-    At the start of each pass a rank writes ``"<default-group collectives>,<epoch>"`` under its key
+    At the start of each pass a rank writes ``"<collectives so far>,<epoch>"`` under its key
     in the job's store; at the end of a pass during which collectives ran, it reads its two
     neighbours' keys (ranks r-1 and r+1). Passes that started after the same collective and then
     ran collectives together are the same step of the same program, so they must have the same

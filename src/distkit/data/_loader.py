@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distkit import runtime
-from distkit._utils.checks import check_int as _check_int
+from distkit._utils.checks import check_bool as _check_bool, check_int as _check_int
 from distkit.data._checks import (
     _check_enough_samples,
     _check_same_on_every_rank,
@@ -613,6 +613,14 @@ def distributed_dataloader(
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
     """
     what = "distributed_dataloader()"
+    for flag, value, optional in (
+        ("shuffle", shuffle, True),
+        ("drop_last", drop_last, False),
+        ("evaluation", evaluation, False),
+        ("pin_memory", pin_memory, True),
+        ("persistent_workers", persistent_workers, True),
+    ):
+        _check_bool(flag, value, optional=optional)
     if is_stream(dataset):
         return _stream_loader(
             dataset,

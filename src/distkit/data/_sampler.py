@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from distkit import runtime
-from distkit._utils.checks import check_int as _check_int
+from distkit._utils.checks import check_bool as _check_bool, check_int as _check_int
 from distkit.data._checks import (
     _check_enough_samples,
     _check_same_on_every_rank,
@@ -176,6 +176,8 @@ def distributed_sampler(
         10
     """
     what = "distributed_sampler()"
+    for flag, value in (("shuffle", shuffle), ("drop_last", drop_last), ("evaluation", evaluation)):
+        _check_bool(flag, value)
     n = _dataset_len(dataset, what)
     seed = _default_loader_seed() if seed is None else _check_seed(seed)
     if evaluation and drop_last:

@@ -318,7 +318,7 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.check_val_every_n_epoch = check_val_every_n_epoch
         self.val_check_interval = val_check_interval
-        self.default_root_dir = Path(default_root_dir)
+        self.default_root_dir = Path(default_root_dir).expanduser()  # "~/runs", as a shell reads it
         self.resume = None if resume is None else os.fspath(resume)
         _setup.check_checkpoint_word(self.resume, "resume", ("auto",))
         self.seed = seed
