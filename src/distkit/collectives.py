@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from distkit import runtime
 from distkit._doctor import doctor as _hang
-from distkit.errors import CollectiveMismatchError, CollectiveTimeoutError, DistkitError
+from distkit.errors import CollectiveTimeoutError, DistkitError
 
 __all__ = [
     "MetricValue",
@@ -249,25 +249,6 @@ def _check_src(src: int, peers: _Peers | None, fn: str) -> None:
             f"{fn} src={src} is not a member of the group of ranks {list(peers.ranks)}; src is a "
             f"global rank, as in torch.distributed: pass one of {list(peers.ranks)}."
         )
-
-
-def _from_agreed_src(peers: _Peers, src: int, header: torch.Tensor, what: str) -> torch.Tensor:
-    """``src``'s ``header`` (a small int64 tensor of the same length on every rank), learnt in one
-    gather in place of a broadcast, which also shows every rank's ``src``: ranks that passed
-    another one raise at once, instead of each waiting to send until the group's timeout."""
-    mine = torch.cat([torch.tensor([src], dtype=torch.int64, device=header.device), header])
-    rows = [torch.empty_like(mine) for _ in peers.ranks]
-    _run_on(peers, what, dist.all_gather, rows, mine)
-    sources = [int(row[0]) for row in rows]
-    if len(set(sources)) > 1:
-        pairs = list(zip(peers.ranks, sources, strict=True))
-        raise CollectiveMismatchError(
-            f"{_label()} {what}(){peers.describe()} needs the same src on every rank, got "
-            f"{', '.join(f'rank {rank}: src={source}' for rank, source in pairs)}. Pass the sending "
-            f"rank's number everywhere (src=0 for the main process), not this rank's own.",
-            where=[f"rank {rank}: {what}(src={source})" for rank, source in pairs],
-        )
-    return rows[peers.ranks.index(src)][1:]
 
 
 def _label() -> str:
@@ -843,7 +824,7 @@ def broadcast_object(obj: T, src: int = 0, *, group: Any = None) -> T:
     mine = dist.get_rank() == src
     data = _to_bytes(obj).to(peers.device) if mine else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=peers.device)
-    size = _from_agreed_src(peers, src, size, "broadcast_object")
+    _run_on(peers, "broadcast_object", dist.broadcast, size, src=src)
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=peers.device)
     _run_on(peers, "broadcast_object", dist.broadcast, data, src=src)
@@ -935,7 +916,8 @@ def scatter_object(objects: Sequence[T] | None, src: int = 0, *, group: Any = No
             text = _to_bytes(f"{type(err).__name__}: {err}")
             sizes[0] = 1
             sizes[1] = text.numel()
-    lengths = _from_agreed_src(peers, src, sizes, "scatter_object").tolist()
+    _run_on(peers, "scatter_object", dist.broadcast, sizes, src=src)
+    lengths = sizes.tolist()
     if lengths[0]:
         # src's list is invalid: every rank learns why from one more broadcast, then raises.
         message = (
