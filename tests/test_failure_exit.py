@@ -147,11 +147,13 @@ VARIANTS = {
 }
 RAISE_IN_STEP = "raise_in_step:trainer"
 RAISE_IN_STEP_NO_WATCHDOG = "raise_in_step:trainer:FAILURE_HANG_TIMEOUT_S=0"
+RAISE_IN_SECTION = "raise_in_section:main_process_first"
 
 
 @pytest.fixture(scope="module")
 def by_hand_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
-    specs = [f"rank0_only:{op}" for op in OPS] + list(VARIANTS) + [RAISE_IN_STEP, RAISE_IN_STEP_NO_WATCHDOG]
+    specs = [f"rank0_only:{op}" for op in OPS] + list(VARIANTS)
+    specs += [RAISE_IN_STEP, RAISE_IN_STEP_NO_WATCHDOG, RAISE_IN_SECTION]
     jobs = forked(tmp_path_factory.mktemp("by-hand"), specs)
     figures = {
         spec: None if job.error_to_exit_s is None else round(job.error_to_exit_s, 1)
@@ -207,6 +209,18 @@ def test_a_rank_that_raises_in_training_step_is_named_as_the_cause_by_every_rank
     )
     assert cause in job.outputs[0], job.text()
     assert "left the job" not in "".join(job.outputs), job.text()
+
+
+def test_a_main_process_that_raises_inside_its_section_is_the_cause_and_the_others_exit_after_it(
+    by_hand_jobs: dict[str, Job],
+) -> None:
+    """Rank 1's MainProcessError only says that it waited for rank 0: it exits with
+    PEER_FAILED_EXIT_CODE after rank 0, naming rank 0's exception as the cause. Before, it exited
+    with 1 as soon as it raised, and torchrun could name rank 1 the root cause."""
+    job = by_hand_jobs[RAISE_IN_SECTION]
+    assert job.codes == [1, PEER_FAILED_EXIT_CODE], job.text()
+    cause = "distkit: rank 0 failed: it raised FileNotFoundError: data/raw.csv at"
+    assert cause in job.outputs[1], job.text()
 
 
 def test_under_torchrun_a_collective_on_rank_0_only_ends_the_job_naming_rank_0_as_root_cause(

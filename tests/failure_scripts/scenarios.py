@@ -136,10 +136,21 @@ def raise_in_step(run_dir: str, devices: int | None = None) -> None:
     trainer.fit(_Failing(run_dir), data, optimizer=_sgd)
 
 
+def raise_in_section(run_dir: str) -> None:
+    """Rank 0 raises inside main_process_first: rank 1 gets MainProcessError, a consequence."""
+    distkit.init()
+    with distkit.main_process_first(timeout_s=60):
+        if distkit.is_main_process():
+            _mark(run_dir, "section")
+            raise FileNotFoundError("data/raw.csv")  # <- raise_in_section
+
+
 def _job(case: str, what: str, run_dir: str) -> None:
     try:
         if case == "rank0_only":
             rank0_only(what, run_dir)
+        elif case == "raise_in_section":
+            raise_in_section(run_dir)
         elif what == "self_launch":
             raise_in_step(run_dir, devices=2)
         else:

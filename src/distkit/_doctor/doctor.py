@@ -49,7 +49,7 @@ import torch.distributed as dist
 from distkit._doctor import report as _hang_report, where as _hang_where
 from distkit._doctor.where import BUSY, WAIT
 from distkit._utils import daemon
-from distkit.errors import CollectiveMismatchError, DistkitError
+from distkit.errors import CollectiveMismatchError, DistkitError, MainProcessError
 
 __all__ = ["HANG_EXIT_CODE", "PEER_FAILED_EXIT_CODE"]
 
@@ -221,8 +221,11 @@ def _clone(store: Any) -> Any:
 
 def _waited(exc: BaseException) -> bool:
     """Whether ``exc`` only says that this rank waited for another: a collective that failed
-    because a peer ended (or timed out), the job's store gone with the rank that hosted it, or
-    distkit's error explaining one of those."""
+    because a peer ended (or timed out), the job's store gone with the rank that hosted it,
+    distkit's error explaining one of those, or the main process's exception inside a section
+    this rank waited on (:class:`MainProcessError`: the main process raised it first)."""
+    if isinstance(exc, MainProcessError):
+        return True
     cause = exc.__cause__ if isinstance(exc, DistkitError) else exc
     return cause is not None and (is_transport_failure(cause) or isinstance(cause, dist.DistNetworkError))
 

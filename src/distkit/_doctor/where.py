@@ -92,6 +92,11 @@ _CALLERS = ("distkit.bench.", "distkit.checkpoint.", "distkit.testing.", "distki
 _TRAINER_PASSTHROUGH = frozenset({"distkit.trainer.precision"})
 # distkit's decorators around public functions: the function inside is the entry a report names.
 _WRAPPERS = frozenset({"distkit._utils.slips"})
+# distkit's objects that a public function returns, named in a report by that function.
+_ENTRY_NAMES = {
+    ("distkit.coordination", "_FirstSection.__enter__"): "main_process_first",
+    ("distkit.coordination", "_FirstSection.__exit__"): "main_process_first",
+}
 # Local names a hand-written loop commonly counts its steps in.
 _STEP_NAMES = ("step", "global_step", "iter_num", "iteration", "it")
 
@@ -268,7 +273,7 @@ def _distkit_entry(frames: Frames, shown: int | None, decisive: int) -> str | No
     for index in range(start, decisive - 1, -1):
         code = frames[index][0]
         if _category(code.co_filename) == "distkit" and _module(code.co_filename) not in _WRAPPERS:
-            return _qualname(code)
+            return _ENTRY_NAMES.get(_key(code), _qualname(code))
     return None
 
 
