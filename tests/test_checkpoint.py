@@ -266,6 +266,35 @@ def test_a_home_path_a_bytes_path_and_a_protocol_typo(tmp_path, monkeypatch: pyt
         distkit.save_checkpoint("s4://bucket/ckpt", {"model": nn.Linear(2, 2)})
 
 
+def test_names_of_state_swapped_are_named_not_a_bare_keyerror(tmp_path) -> None:
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    distkit.save_checkpoint(tmp_path / "c", {"model": model, "optimizer": optimizer})
+    # Was: KeyError: 'param_groups', from torch's Optimizer.load_state_dict.
+    with pytest.raises(distkit.DistkitError, match=r"state\['model'\] is a SGD, but .* Are the names"):
+        distkit.load_checkpoint(tmp_path / "c", {"model": optimizer, "optimizer": model})
+    with pytest.raises(distkit.DistkitError, match=r"state\['optimizer'\] is a Linear, but .* an optim"):
+        distkit.load_checkpoint(tmp_path / "c", {"optimizer": model})
+    # Was: torch's "don't know how to restore data location of torch.storage.UntypedStorage".
+    with pytest.raises(ValueError, match=r"map_location='gpu' is no device torch knows; did you mean 'cuda'"):
+        distkit.load_checkpoint(tmp_path / "c", {"model": model}, map_location="gpu")
+
+
+def test_a_manager_refuses_a_file_or_one_checkpoint_as_its_directory(tmp_path) -> None:
+    (tmp_path / "plain.pt").write_text("weights")
+    # Was: NotADirectoryError at the first save (and a plain.pt.distkit-lock beside it).
+    with pytest.raises(ValueError, match=r"needs a directory .* but .*plain\.pt is a file"):
+        distkit.CheckpointManager(tmp_path / "plain.pt")
+    distkit.save_checkpoint(tmp_path / "one", {"model": nn.Linear(2, 2)})
+    # Was: its steps written inside that checkpoint, in silence.
+    with pytest.raises(ValueError, match=r"one is one checkpoint \(it holds manifest\.json\), not a"):
+        distkit.CheckpointManager(tmp_path / "one")
+    assert sorted(os.listdir(tmp_path / "one")) == ["manifest.json", "state.pt"]
+    # Was: "'Linear' object is not iterable".
+    with pytest.raises(TypeError, match=r"state must be a mapping of names to objects"):
+        distkit.CheckpointManager(tmp_path / "runs").restore(nn.Linear(2, 2))
+
+
 def test_strict_that_is_not_a_bool_is_refused_not_taken_as_true(tmp_path) -> None:
     distkit.save_checkpoint(tmp_path / "c", {"model": nn.Linear(2, 2)})
     with pytest.raises(TypeError, match=r"strict must be True or False, got str 'no' \(a non-empty string"):
@@ -892,8 +921,8 @@ def test_background_failure_is_raised_at_the_next_wait_and_the_manager_recovers(
 
 def test_background_failure_is_raised_at_the_next_save(tmp_path) -> None:
     directory = tmp_path / "ckpts"
-    directory.write_text("not a directory")
     manager = distkit.CheckpointManager(directory, async_save=True)
+    directory.write_text("not a directory")  # after the manager checked it: the write fails
     manager.save(1, {"w": torch.ones(1)})
     with pytest.raises(distkit.DistkitError, match="background save of step 1"):
         manager.save(2, {"w": torch.ones(1)})

@@ -251,6 +251,16 @@ def test_list_of_a_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert f"{tmp_path / 'notes.txt'} is a file, not a directory of checkpoints" in err
 
 
+def test_list_of_one_checkpoint_exits_1_and_names_inspect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    distkit.save_checkpoint(tmp_path / "one", {"w": torch.zeros(2)})
+    code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path / "one"))
+    # Was: "no checkpoints in ..." and exit status 0.
+    assert (code, out) == (1, "")
+    assert f"{tmp_path / 'one'} is one checkpoint, not a directory of them: `distkit checkpoint" in err
+
+
 def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
     assert code == 0, err

@@ -885,6 +885,17 @@ def test_bad_loader_arguments_are_rejected_saying_what_to_change(
         distkit.distributed_dataloader(list(range(10)), **arguments)
 
 
+def test_a_dict_of_tensor_columns_or_a_missing_state_is_named() -> None:
+    columns = {"x": torch.randn(10, 3), "y": torch.arange(10)}
+    # Was: accepted, then KeyError: 1 deep in the loader's fetch.
+    with pytest.raises(TypeError, match=r"dataset is a dict of tensors \('x': \(10, 3\), 'y': \(10,\)\)"):
+        distkit.distributed_dataloader(columns, batch_size=4)
+    loader = distkit.distributed_dataloader(list(range(10)), batch_size=2)
+    # Was: "argument of type 'NoneType' is not iterable".
+    with pytest.raises(TypeError, match=r"needs the dict DistributedLoader\.state_dict\(\) made, got None"):
+        loader.load_state_dict(None)
+
+
 def test_a_flag_that_is_not_a_bool_is_refused_not_taken_as_true() -> None:
     # Was: shuffle="False" shuffled, in silence.
     with pytest.raises(TypeError, match=r"shuffle must be True or False, got str 'False'"):

@@ -47,6 +47,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
+
 from distkit._utils.checks import check_bool
 from distkit._utils.slips import names_slips
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE, DEFAULT_SAVE_TIMEOUT_S
@@ -230,6 +232,7 @@ def load_checkpoint(
     if state is not None:
         _check_state(state)  # load_checkpoint(path, model): before reading anything
     check_bool("strict", strict)
+    _check_map_location(map_location)
     storage, target = _storage_for(path)
     try:
         verified = _load_verified(storage, target, map_location)
@@ -342,3 +345,18 @@ def import_checkpoint(
         >>> distkit.Trainer(resume="imported").fit(model, data, optimizer=opt)  # doctest: +SKIP
     """
     return _import_checkpoint(src, dest, strip_prefix=strip_prefix, step=step, file_mode=file_mode)
+
+
+def _check_map_location(map_location: Any) -> None:
+    """A device string torch cannot parse ("gpu") is named before any file is read, not by
+    torch's unpickler once the tensors come."""
+    if not isinstance(map_location, str) or map_location == "auto":
+        return
+    try:
+        torch.device(map_location)
+    except RuntimeError:
+        meant = "'cuda'" if map_location.lower().startswith("gpu") else "'cpu', 'cuda' or 'cuda:0'"
+        raise ValueError(
+            f"map_location={map_location!r} is no device torch knows; did you mean {meant}? "
+            f"('auto', the default, puts tensors on this rank's device.)"
+        ) from None

@@ -23,7 +23,7 @@ from typing import Any
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
 from distkit.checkpoint._files import _storage_for, _verify
-from distkit.checkpoint._format import _imported_from, _is_sharded_manifest
+from distkit.checkpoint._format import _MANIFEST_FILE, _imported_from, _is_sharded_manifest
 from distkit.checkpoint._retention import _mislabeled, _StepDirectory
 from distkit.errors import DistkitError
 
@@ -97,6 +97,13 @@ def _list(args: argparse.Namespace) -> int:
         print(
             f"distkit checkpoint: error: {redact_url(directory)} {what}. Pass the directory of a "
             f"CheckpointManager (the one that holds its step_<N> directories).",
+            file=sys.stderr,
+        )
+        return 1
+    if _MANIFEST_FILE in (storage.contents(directory) or set()):
+        print(
+            f"distkit checkpoint: error: {redact_url(directory)} is one checkpoint, not a directory "
+            f"of them: `distkit checkpoint inspect {redact_url(directory)}` shows it.",
             file=sys.stderr,
         )
         return 1

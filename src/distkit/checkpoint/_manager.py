@@ -39,6 +39,7 @@ from distkit.checkpoint._commit import (
 )
 from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, _label
 from distkit.checkpoint._files import _join, _storage_for
+from distkit.checkpoint._format import _MANIFEST_FILE
 from distkit.checkpoint._io import _load_verified, _restore_into, _save_checkpoint
 from distkit.checkpoint._lock import _LocalWriterLock, _writer_lock_for
 from distkit.checkpoint._retention import _mislabeled, _shown_steps, _skipping_mislabeled, _StepDirectory
@@ -133,6 +134,7 @@ class CheckpointManager:
         _check_sharded_option(sharded)
         # Configuration.
         self._storage, self.directory = _storage_for(directory)
+        _check_manager_directory(self._storage, self.directory)
         self._dir = _StepDirectory(self._storage, self.directory)
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -535,6 +537,7 @@ class CheckpointManager:
             >>> step = manager.restore({"model": model})  # doctest: +SKIP
             >>> start = 0 if step is None else step + 1  # doctest: +SKIP
         """
+        _check_state(state)  # restore(model): said before anything is read or claimed
         self.wait()
         self.claim(resuming=True)
         restored: int | None = None
@@ -606,3 +609,20 @@ class CheckpointManager:
 
 # Public as distkit.checkpoint.CheckpointManager: tracebacks and reprs say so.
 CheckpointManager.__module__ = "distkit.checkpoint"
+
+
+def _check_manager_directory(storage: Any, directory: str) -> None:
+    """Refuse a file, or one checkpoint, given as the directory a manager keeps its steps in
+    (its steps would go inside that checkpoint, in silence). One look, when the manager is made."""
+    kind = storage.kind(directory)
+    if kind == "file":
+        raise ValueError(
+            f"CheckpointManager needs a directory to keep its checkpoints (step_000000100, ...) in, "
+            f"but {redact_url(directory)} is a file. Pass a directory (a new one is made)."
+        )
+    if kind == "dir" and _MANIFEST_FILE in (storage.contents(directory) or set()):
+        raise ValueError(
+            f"{redact_url(directory)} is one checkpoint (it holds {_MANIFEST_FILE}), not a directory "
+            f"of them: a CheckpointManager there would write its steps inside it. Load it with "
+            f"distkit.load_checkpoint(path, state), and give the manager a directory of its own."
+        )

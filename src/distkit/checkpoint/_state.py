@@ -401,6 +401,27 @@ def _load_optimizer(
         ) from err
 
 
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, Mapping) and "param_groups" in value and "state" in value
+
+
+def _check_kind(key: str, target: Any, value: Any, loaded: Mapping[str, Any]) -> None:
+    """Refuse an optimizer's state given to a module or the other way round (the names of
+    ``state`` swapped), before torch fails on it with a bare KeyError."""
+    if isinstance(target, nn.Module) and _is_optimizer_state(value):
+        held = "an optimizer's state"
+    elif isinstance(target, torch.optim.Optimizer) and not _is_optimizer_state(value):
+        held = "no optimizer's state (no 'param_groups')"
+    else:
+        return
+    others = [name for name in loaded if name != key]
+    raise DistkitError(
+        f"state[{key!r}] is a {type(target).__name__}, but the checkpoint's entry {key!r} holds "
+        f"{held}. Are the names of state swapped? The checkpoint's other entries: {others}; pass "
+        f"each object under the name it was saved with, e.g. {{'model': model, 'optimizer': optimizer}}."
+    )
+
+
 def _restore(
     path: str,
     loaded: Mapping[str, Any],
@@ -443,6 +464,7 @@ def _restore(
         if key not in loaded or key in elsewhere:
             continue
         value = loaded[key]
+        _check_kind(key, target, value, loaded)
         if isinstance(target, nn.Module):
             _load_module(key, target, value, strict)
         elif isinstance(target, torch.optim.Optimizer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,7 +22,17 @@ __all__: list[str] = []
 def check_not_tensor_tuple(data: Any, name: str) -> None:
     """Refuse ``(inputs, targets)`` tensors given where a dataset is needed (as Keras's ``fit(x, y)``
     takes them): as a dataset that tuple is a few samples, the tensors themselves, which fails in
-    the loader's collate or, worse, trains on them. Local."""
+    the loader's collate or, worse, trains on them. A dict of tensor columns likewise. Local."""
+    if _tensor_columns(data):
+        rows = {int(value.shape[0]) for value in data.values()}
+        names = ", ".join(f"{key!r}: {tuple(value.shape)}" for key, value in data.items())
+        raise TypeError(
+            f"{name} is a dict of tensors ({names}): as a dataset it is looked up by sample index "
+            f"(dataset[0]) and has as many samples as keys. Pass a dataset of its "
+            f"{'/'.join(map(str, sorted(rows)))} rows that returns one sample's dict, e.g. "
+            f"[{{k: v[i] for k, v in {name}.items()}} for i in range(n)], or "
+            f"TensorDataset(*{name}.values()) for tuples."
+        )
     if not (isinstance(data, tuple) and 2 <= len(data) <= 4):
         return
     if not all(isinstance(item, torch.Tensor) and item.dim() >= 1 for item in data):
@@ -33,6 +44,25 @@ def check_not_tensor_tuple(data: Any, name: str) -> None:
             f"{name} is a tuple of {len(data)} tensors ({shapes}): as a dataset that is {len(data)} "
             f"samples, the tensors themselves. Pass torch.utils.data.TensorDataset(*{name}) for its "
             f"{rows.pop()} rows."
+        )
+
+
+def _tensor_columns(data: Any) -> bool:
+    """A dict of named tensors, one row per sample (columns, as a dataframe's)."""
+    return (
+        isinstance(data, Mapping)
+        and bool(data)
+        and all(isinstance(key, str) for key in data)
+        and all(isinstance(value, torch.Tensor) and value.dim() >= 1 for value in data.values())
+    )
+
+
+def check_state_mapping(state: Any, owner: str) -> None:
+    """A loader's ``load_state_dict`` got something else than the dict its ``state_dict`` made."""
+    if not isinstance(state, Mapping):
+        none = " (was the loader's state saved?)" if state is None else ""
+        raise TypeError(
+            f"load_state_dict() needs the dict {owner}.state_dict() made, got {type(state).__name__}{none}."
         )
 
 

@@ -17,6 +17,7 @@ from distkit.data._checks import (
     _check_same_on_every_rank,
     _dataset_len,
     _plural,
+    check_state_mapping,
 )
 from distkit.data._epochs import _EpochCheck, _Passes
 from distkit.data._split import (
@@ -433,6 +434,7 @@ class DistributedLoader:
             >>> [batch.tolist() for batch in loader]
             [[4, 5], [6, 7], [8, 9]]
         """
+        check_state_mapping(state, "DistributedLoader")
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise ValueError(

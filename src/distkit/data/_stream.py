@@ -39,6 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from distkit import collectives, runtime
 from distkit._utils.checks import check_int as _check_int
+from distkit.data._checks import check_state_mapping
 from distkit.errors import DistkitError
 from distkit.seeding import _check_seed, _default_loader_seed
 
@@ -354,6 +355,7 @@ class StreamLoader:
             DistkitError: The state is not a stream's, or was saved with another seed, shuffle or
                 buffer size (the stream's order would differ: the rest would not be the rest).
         """
+        check_state_mapping(state, "StreamLoader")
         if not state.get("stream"):
             raise DistkitError(
                 "this is a stream loader's state_dict() target, but the state was saved by a map-style "
