@@ -686,3 +686,31 @@ def test_a_rank_that_caught_what_fit_raised_is_waited_for_not_named_the_cause(ra
     # collective would fail at once, naming a cause that no longer exists.
     assert ranks.run(fit_that_raises_and_is_caught, str(tmp_path)) == ["DistkitError", "DistkitError"]
     assert ranks.run(late_rank_0_barrier) == ["passed", "passed"]
+
+
+def test_a_mismatch_verdict_points_at_the_if_that_tests_the_rank() -> None:
+    # The rank that waits in a branch every rank takes is not the one to fix: the other rank
+    # called its collective under `if distkit.is_main_process():`.
+    from distkit._doctor.doctor import _where_to_move
+
+    waiting = {"op": "distkit.barrier", "file": "train.py", "line": 7, "context": "in `if step % 2 == 1:`"}
+    elsewhere = {
+        "op": "distkit.all_gather_object",
+        "file": "train.py",
+        "line": 6,
+        "context": "in `if distkit.is_main_process():`",
+    }
+    assert _where_to_move(waiting, {0: elsewhere}) == (
+        " (rank 0's distkit.all_gather_object at train.py:6 is in `if distkit.is_main_process():`: "
+        "move it out of that `if`)"
+    )
+    # This rank's own `if` tests the rank: it is the one to move.
+    assert (
+        _where_to_move(elsewhere, {1: waiting}) == " (here: move it out of `if distkit.is_main_process():`)"
+    )
+    # Neither tests the rank: this rank's own, as before.
+    assert (
+        _where_to_move(waiting, {0: {**elsewhere, "context": ""}})
+        == " (here: move it out of `if step % 2 == 1:`)"
+    )
+    assert _where_to_move({"context": ""}, {0: {"context": ""}}) == ""

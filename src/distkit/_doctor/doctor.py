@@ -31,6 +31,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -228,6 +229,27 @@ def _waited(exc: BaseException) -> bool:
         return True
     cause = exc.__cause__ if isinstance(exc, DistkitError) else exc
     return cause is not None and (is_transport_failure(cause) or isinstance(cause, dist.DistNetworkError))
+
+
+# An `if` whose test names the rank: the branch that some ranks take and others do not.
+_RANK_TEST = re.compile(r"rank|main_process|master|is_main|world_size", re.IGNORECASE)
+
+
+def _where_to_move(local: Mapping[str, Any], missing: Mapping[int, Mapping[str, Any]]) -> str:
+    """The hint of a mismatch verdict: the `if` to move the collective out of. This rank's own
+    `if`, unless only a missing rank's `if` tests the rank (this rank waits in a branch every rank
+    takes, e.g. `if step % 2 == 1:`, while the other called a collective under
+    `if is_main_process():`)."""
+    context = local.get("context") or ""
+    if context.startswith("in `") and _RANK_TEST.search(context):
+        return f" (here: move it out of {context.split('in ', 1)[-1]})"
+    for rank in sorted(missing):
+        answer = missing[rank]
+        theirs = answer.get("context") or ""
+        if theirs.startswith("in `") and _RANK_TEST.search(theirs):
+            call = f"{answer.get('op') or 'collective'} at {answer.get('file')}:{answer.get('line')}"
+            return f" (rank {rank}'s {call} is {theirs}: move it out of that `if`)"
+    return f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -1173,9 +1195,10 @@ class Doctor:
                 side = store
             self.roll_call(side, header=header, local=local)
         here = _hang_report.location_text(local)
-        context = local.get("context") or ""
-        move = f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""
-        advice = f"A collective must be called by every rank, in the same order: call it on every rank{move}."
+        advice = (
+            f"A collective must be called by every rank, in the same order: call it on every "
+            f"rank{_where_to_move(local, missing)}."
+        )
         if local.get("internal"):
             # Nothing of the user's is on this rank's stack: blaming the user would mislead.
             work = f" ({self.workload})" if self.workload else ""
