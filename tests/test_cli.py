@@ -276,6 +276,25 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage", "hint"),
+    [
+        (["env", "--jsn"], "usage: distkit env ", "unrecognized arguments: --jsn; did you mean --json?"),
+        (["bench", "--stesp", "5"], "usage: distkit bench ", "--stesp 5; did you mean --steps?"),
+        (["checkpoint", "list", ".", "--verfy"], "usage: distkit checkpoint list ", "did you mean --verify?"),
+    ],
+)
+def test_a_flag_slip_is_told_by_its_subcommand_with_the_closest_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str, hint: str
+) -> None:
+    # Was: distkit's top-level usage and "unrecognized arguments" alone.
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and hint in err, err
+
+
 # --------------------------------------------------------------------------------------------------
 # distkit checkpoint
 

@@ -14,12 +14,13 @@ instead (:func:`distkit.profile_scaling`). The parser imports no torch, so ``dis
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import platform
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["collect_env", "main"]
 
@@ -310,7 +311,7 @@ def _parser() -> argparse.ArgumentParser:
         "env", help="check the configuration: versions, GPUs, launcher, backend, variables"
     )
     env.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    env.set_defaults(func=_cmd_env)
+    env.set_defaults(func=_cmd_env, command_parser=env)
 
     bench = commands.add_parser(
         "bench",
@@ -422,7 +423,7 @@ def _parser() -> argparse.ArgumentParser:
         help="measure no DDP option and no doubled batch, and prescribe nothing (faster; each option "
         "holds a stand-in of the model's size on each rank)",
     )
-    bench.set_defaults(func=_cmd_bench)
+    bench.set_defaults(func=_cmd_bench, command_parser=bench)
 
     checkpoint = commands.add_parser(
         "checkpoint",
@@ -474,7 +475,19 @@ def _parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="the step to record (default: the one found, if any)"
     )
     checkpoint.set_defaults(func=_cmd_checkpoint)
+    for sub in (listing, inspect, consolidate, importing):
+        sub.set_defaults(command_parser=sub)
     return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> NoReturn:
+    """A flag the (sub)command does not take, told by that command (its usage, not distkit's) with
+    the closest of its own flags."""
+    flags = [option for action in parser._actions for option in action.option_strings]
+    unknown = next((arg.split("=", 1)[0] for arg in extra if arg.startswith("-")), None)
+    close = difflib.get_close_matches(unknown, flags, n=1) if unknown else []
+    hint = f"; did you mean {close[0]}?" if close else ""
+    parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,13 +508,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command = getattr(args, "command_parser", parser)
+    if extra:
+        _refuse_unknown(command, extra)
     if args.command == "bench" and args.warmup_steps < 0:
-        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+        command.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.command == "bench" and not args.min_time_s >= 0:
-        parser.error(f"--min-time-s must be >= 0, got {args.min_time_s}")
+        command.error(f"--min-time-s must be >= 0, got {args.min_time_s}")
     if args.command == "bench" and args.repeats < 3:
-        parser.error(f"--repeats must be >= 3 (an interval needs at least 3 repetitions), got {args.repeats}")
+        command.error(
+            f"--repeats must be >= 3 (an interval needs at least 3 repetitions), got {args.repeats}"
+        )
     from distkit.errors import DistkitError
 
     try:
