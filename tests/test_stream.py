@@ -104,6 +104,19 @@ def test_evaluation_on_a_stream_sees_every_sample_once(ranks: Ranks, tmp_path: P
     assert sorted(seen) == sorted(f"s{i}-{j}" for i in range(SHARDS) for j in range(LINES))
 
 
+def evaluation_batches_of_one(n: int) -> list[list[int]]:
+    loader = _loader(Numbers(n), evaluation=True, shuffle=False, batch_size=1)
+    return [list(batch) for batch in loader]
+
+
+@pytest.mark.parametrize("n", [23, 24, 5])
+def test_evaluation_batches_of_one_come_in_as_many_batches_on_every_rank(ranks: Ranks, n: int) -> None:
+    # Was: 11 and 12 batches for 23 samples, so a gather on each batch waited alone on one rank.
+    batches = ranks.run(evaluation_batches_of_one, n, world_size=2)
+    assert len(batches[0]) == len(batches[1]) == n // 2
+    assert sorted(s for rank in batches for batch in rank for s in batch) == list(range(n))
+
+
 def stop_after(paths: list[str], workers: int, steps: int) -> tuple[list[list[str]], dict[str, Any]]:
     loader = _loader(distkit.ShardFiles(paths), workers)
     taken = []

@@ -207,7 +207,10 @@ class _RankBatches(IterableDataset[Any]):
             step = []
         if not self.evaluation:
             return
-        for batch in _final_batches(held + step, self.rank, self.world_size, halves=bool(held)):
+        # In halves when there was a whole step and a half holds a sample on every rank (a batch
+        # size of 2 or more); with batch_size=1 each rank's part (1 or 2 samples) is one batch.
+        halves = bool(held) and self.batch_size > 1
+        for batch in _final_batches(held + step, self.rank, self.world_size, halves=halves):
             if index % workers == worker:
                 yield self.collate_fn(batch)
             index += 1
@@ -217,7 +220,9 @@ def _final_batches(samples: list[Any], rank: int, world_size: int, *, halves: bo
     """This rank's last evaluation batches: ``samples`` (the last whole step and the tail) cut into
     ``world_size`` contiguous parts as even as can be, each part in two batches (``halves``) or one.
     Every rank then gets as many batches as the others whenever there was a whole step (its part
-    holds at least ``batch_size`` samples), so a loop that gathers every batch never waits alone."""
+    holds at least ``batch_size`` samples), so a loop that gathers every batch never waits alone.
+    With ``batch_size=1`` a part of two samples is one batch of two (halves would leave a rank of
+    one sample a batch short)."""
     low = rank * len(samples) // world_size
     part = samples[low : (rank + 1) * len(samples) // world_size]
     if not halves:
