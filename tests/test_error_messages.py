@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import io
+import re
+import socket
 import threading
 import warnings
 from collections.abc import Iterator
@@ -310,6 +312,19 @@ def test_an_http_500_during_download_names_the_status_not_file_not_found(
         f"Server Error. A 5xx answer is a failure of the server"
     )
     assert "FileNotFoundError" not in message
+
+
+def test_a_refused_connection_during_download_is_named_not_only_file_not_found(
+    status_server, tmp_path: Path
+) -> None:
+    with socket.socket() as sock:  # a port with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/d.bin"
+    with pytest.raises(DistkitError) as caught:
+        distkit.download(url, tmp_path / "d.bin")
+    # Was: "failed after 4 attempts: FileNotFoundError: http://..." alone (fsspec's word for it).
+    expected = r"failed after 4 attempts: FileNotFoundError: .* \(from \S*ClientConnectorError"
+    assert re.search(expected, str(caught.value)), caught.value
 
 
 def test_http_client_errors_during_download_name_their_status(status_server, tmp_path: Path) -> None:

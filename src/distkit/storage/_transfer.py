@@ -136,7 +136,14 @@ def _described(err: BaseException) -> str:
     answer = _http_answer(err)
     if answer is not None:
         return f"the server answered HTTP {answer[0]} {answer[1]}"
-    return f"{coordination._type_name(err)}: {err}"
+    said = f"{coordination._type_name(err)}: {err}"
+    # fsspec's HTTP file system says FileNotFoundError(url) for a refused connection too: the
+    # exception it came from says what happened.
+    cause = err.__cause__ or err.__context__
+    if cause is not None and type(cause) is not type(err):
+        text = str(cause).strip().splitlines()
+        said += f" (from {coordination._type_name(cause)}{': ' + text[0] if text else ''})"
+    return said
 
 
 def _advice(err: BaseException) -> str:
