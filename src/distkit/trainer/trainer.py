@@ -596,6 +596,7 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
+        _model_io.check_trains(model)  # before any process starts
         check_not_tensor_tuple(train_data, "train_data")
         check_not_tensor_tuple(val_data, "val_data")
         plan = strategies.resolve(self.strategy, self.devices)

@@ -94,7 +94,6 @@ def setup(
     # Names of the parameters as given: a strategy that replaces them (FSDP shards them) gets
     # an optimizer made over the originals rebound to the replacements.
     names = {id(p): name for name, p in model.named_parameters()}
-    _model_io.check_trains(model)
     stack.callback(strategy.teardown, model)
     strategy.prepare(model, device, trainer.precision)
     step_module = _StepModule(model, loss_fn, per_device=plan.kind == "dp")
