@@ -148,12 +148,13 @@ VARIANTS = {
 RAISE_IN_STEP = "raise_in_step:trainer"
 RAISE_IN_STEP_NO_WATCHDOG = "raise_in_step:trainer:FAILURE_HANG_TIMEOUT_S=0"
 RAISE_IN_SECTION = "raise_in_section:main_process_first"
+FIRST_DIES_IN_SECTION = "first_dies_in_section:main_process_first"
 
 
 @pytest.fixture(scope="module")
 def by_hand_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     specs = [f"rank0_only:{op}" for op in OPS] + list(VARIANTS)
-    specs += [RAISE_IN_STEP, RAISE_IN_STEP_NO_WATCHDOG, RAISE_IN_SECTION]
+    specs += [RAISE_IN_STEP, RAISE_IN_STEP_NO_WATCHDOG, RAISE_IN_SECTION, FIRST_DIES_IN_SECTION]
     jobs = forked(tmp_path_factory.mktemp("by-hand"), specs)
     figures = {
         spec: None if job.error_to_exit_s is None else round(job.error_to_exit_s, 1)
@@ -221,6 +222,17 @@ def test_a_main_process_that_raises_inside_its_section_is_the_cause_and_the_othe
     assert job.codes == [1, PEER_FAILED_EXIT_CODE], job.text()
     cause = "distkit: rank 0 failed: it raised FileNotFoundError: data/raw.csv at"
     assert cause in job.outputs[1], job.text()
+
+
+def test_a_first_process_killed_inside_its_section_is_the_cause_not_the_rank_that_waited(
+    by_hand_jobs: dict[str, Job],
+) -> None:
+    """main_process_first(rank=1) and rank 1 killed inside it: rank 0's DistkitError (the
+    heartbeat's verdict) only says that it waited. Before, the report named rank 0 the cause ("rank
+    0 failed: it raised DistkitError") and rank 0 exited with 1."""
+    job = by_hand_jobs[FIRST_DIES_IN_SECTION]
+    assert job.codes == [PEER_FAILED_EXIT_CODE, -signal.SIGKILL], job.text()
+    assert "distkit: rank 1 died: its process (pid " in job.outputs[0], job.text()
 
 
 def test_under_torchrun_a_collective_on_rank_0_only_ends_the_job_naming_rank_0_as_root_cause(

@@ -321,11 +321,14 @@ class _Section:
                 remote_traceback=remote_tb,
             )
         _, declared_by, stale_s = status
-        raise DistkitError(
+        error = DistkitError(
             f"{self.label} the {who} stopped inside {self.what}: its heartbeat has not moved for "
             f"{stale_s:.0f} s (seen by rank {declared_by}). It was most likely killed (out of memory, "
             f"a signal) — look for its last output; the others stop here instead of waiting."
         )
+        # This rank only waited: the hang doctor names the rank that died as the cause, not this one.
+        error.waited_for = leader_rank  # type: ignore[attr-defined]
+        raise error
 
     def _timeout(self, timeout_s: float) -> CollectiveTimeoutError:
         leader_rank = self._leader_rank()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distkit
+from distkit import coordination
 from distkit.checkpoint import CheckpointManager, ResumeState
 
 OPS = (
@@ -145,12 +146,27 @@ def raise_in_section(run_dir: str) -> None:
             raise FileNotFoundError("data/raw.csv")  # <- raise_in_section
 
 
+def first_dies_in_section(run_dir: str) -> None:
+    """Rank 1 goes first in main_process_first(rank=1) and is killed inside it: rank 0 gets the
+    heartbeat's verdict (a DistkitError), a consequence. The heartbeat is made fast here."""
+    coordination._HEARTBEAT_INTERVAL_S = 0.2
+    coordination._HEARTBEAT_STALE_S = 2.0
+    distkit.init()
+    with distkit.main_process_first(rank=1, timeout_s=60):
+        if distkit.get_rank() == 1:
+            time.sleep(0.5)  # a few heartbeats first, as in a real job
+            _mark(run_dir, "section")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _job(case: str, what: str, run_dir: str) -> None:
     try:
         if case == "rank0_only":
             rank0_only(what, run_dir)
         elif case == "raise_in_section":
             raise_in_section(run_dir)
+        elif case == "first_dies_in_section":
+            first_dies_in_section(run_dir)
         elif what == "self_launch":
             raise_in_step(run_dir, devices=2)
         else:

@@ -223,9 +223,11 @@ def _clone(store: Any) -> Any:
 def _waited(exc: BaseException) -> bool:
     """Whether ``exc`` only says that this rank waited for another: a collective that failed
     because a peer ended (or timed out), the job's store gone with the rank that hosted it,
-    distkit's error explaining one of those, or the main process's exception inside a section
-    this rank waited on (:class:`MainProcessError`: the main process raised it first)."""
-    if isinstance(exc, MainProcessError):
+    distkit's error explaining one of those, the main process's exception inside a section this
+    rank waited on (:class:`MainProcessError`: the main process raised it first), or an error
+    distkit marked with the rank it waited for (``waited_for``: a main process that died inside
+    its section)."""
+    if isinstance(exc, MainProcessError) or getattr(exc, "waited_for", None) is not None:
         return True
     cause = exc.__cause__ if isinstance(exc, DistkitError) else exc
     return cause is not None and (is_transport_failure(cause) or isinstance(cause, dist.DistNetworkError))
