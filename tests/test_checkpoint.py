@@ -797,6 +797,17 @@ def test_any_write_error_names_its_errno_the_path_and_a_fix(tmp_path) -> None:
     assert report["listing"] == ["step_000000001"] and report["step1_intact"]
 
 
+def test_a_file_that_vanished_while_written_names_a_second_writer() -> None:
+    # Was "Fix: check the storage that holds it" when another process saved to the same path.
+    from distkit.checkpoint._files import _write_error
+
+    vanished = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "ck/.tmp/state.pt")
+    error = _write_error(vanished, "ck", "ck/.tmp/state.pt", untouched="ck is untouched")
+    assert error.errno == errno.ENOENT and isinstance(error, FileNotFoundError)
+    assert "another process saves to the same path at the same time" in str(error)
+    assert "use a CheckpointManager, whose lock refuses a second writer" in str(error)
+
+
 def test_loading_a_path_that_does_not_exist_says_not_found(tmp_path, memory_root) -> None:
     for missing in (tmp_path / "nowhere", f"{memory_root}/nowhere"):
         with pytest.raises(

@@ -138,6 +138,14 @@ _WRITE_HINTS = {
     "EEXIST": "a file stands where a directory is needed: choose another directory",
     "ENAMETOOLONG": "the path is too long: choose a shorter directory",
     "EMFILE": "this process has too many open files: raise `ulimit -n`",
+    # A file or directory that vanished while it was written: most often another process saving
+    # to the same path at the same time (a second job, or save_checkpoint on two ranks with
+    # collective=False); a CheckpointManager takes a lock against that.
+    "ENOENT": (
+        "a file or directory vanished while it was written; most often another process saves to "
+        "the same path at the same time: give each job its own path, or use a CheckpointManager, "
+        "whose lock refuses a second writer"
+    ),
 }
 
 
