@@ -280,6 +280,22 @@ def test_names_of_state_swapped_are_named_not_a_bare_keyerror(tmp_path) -> None:
         distkit.load_checkpoint(tmp_path / "c", {"model": model}, map_location="gpu")
 
 
+def test_an_optimizer_state_of_another_kind_is_refused_at_load_not_at_the_first_step(tmp_path) -> None:
+    model = nn.Linear(2, 2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 2)).sum().backward()
+    adamw.step()
+    distkit.save_checkpoint(tmp_path / "c", {"model": model, "optimizer": adamw})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # Was: loaded in silence, then KeyError: 'momentum' at sgd.step().
+    expected = r"is a SGD, but the checkpoint's optimizer lacks its settings \['dampening', 'momentum'\]"
+    with pytest.raises(distkit.DistkitError, match=expected):
+        distkit.load_checkpoint(tmp_path / "c", {"optimizer": sgd})
+    adam = torch.optim.Adam(model.parameters())  # the same settings: taken
+    distkit.load_checkpoint(tmp_path / "c", {"optimizer": adam})
+    assert adam.state_dict()["state"][0]["exp_avg"].equal(adamw.state_dict()["state"][0]["exp_avg"])
+
+
 def test_a_manager_refuses_a_file_or_one_checkpoint_as_its_directory(tmp_path) -> None:
     (tmp_path / "plain.pt").write_text("weights")
     # Was: NotADirectoryError at the first save (and a plain.pt.distkit-lock beside it).

@@ -372,6 +372,7 @@ def _load_optimizer(
     by_name = _saved_by_name(saved)
     if not by_name and not _holds_dtensors(optimizer):
         optimizer.load_state_dict(saved)
+        _check_optimizer_kind(name, optimizer, saved)
         return
     if module is None:
         raise DistkitError(
@@ -399,6 +400,26 @@ def _load_optimizer(
         raise DistkitError(
             f"could not restore state[{name!r}] into {type(optimizer).__name__}: {err}"
         ) from err
+    _check_optimizer_kind(name, optimizer, named)
+
+
+def _check_optimizer_kind(name: str, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Refuse an optimizer's state saved by another kind of optimizer (AdamW's into SGD): torch
+    takes the saved settings as they are and fails only at the first step (KeyError: 'momentum'),
+    far from the cause. Each optimizer fills in, as it loads, the settings that newer torch versions
+    added; a setting of its own that is still missing comes from another kind."""
+    missing = sorted(
+        {key for key in optimizer.defaults for group in optimizer.param_groups if key not in group}
+    )
+    if not missing:
+        return
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    theirs = sorted(key for key in (groups[0] if groups else {}) if key != "params")
+    raise DistkitError(
+        f"state[{name!r}] is a {type(optimizer).__name__}, but the checkpoint's optimizer lacks its "
+        f"settings {missing} (it has {theirs}): another kind of optimizer saved it. Restore it into "
+        f"that kind, or leave {name!r} out of state to start this optimizer afresh."
+    )
 
 
 def _is_optimizer_state(value: Any) -> bool:
