@@ -296,6 +296,14 @@ def test_an_optimizer_state_of_another_kind_is_refused_at_load_not_at_the_first_
     assert adam.state_dict()["state"][0]["exp_avg"].equal(adamw.state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_restore_warning_points_at_the_callers_line(tmp_path) -> None:
+    manager = distkit.CheckpointManager(tmp_path / "runs")
+    manager.save(1, {"model": nn.Linear(2, 2)})
+    with pytest.warns(UserWarning, match=r"has no entries \['extra'\]") as caught:
+        manager.restore({"model": nn.Linear(2, 2), "extra": torch.zeros(1)}, strict=False)
+    assert [w.filename for w in caught] == [__file__]  # was distkit/checkpoint/_manager.py
+
+
 def test_a_manager_refuses_a_file_or_one_checkpoint_as_its_directory(tmp_path) -> None:
     (tmp_path / "plain.pt").write_text("weights")
     # Was: NotADirectoryError at the first save (and a plain.pt.distkit-lock beside it).

@@ -587,7 +587,7 @@ class CheckpointManager:
                 warnings.warn(_skipping_mislabeled(entry, manifest), stacklevel=3)
                 continue
             self._dir.warn_partials(entries, above=entry.step, in_flight=None)
-            _restore_into(entry.path, loaded, manifest, state, strict, stacklevel=2)
+            _restore_into(entry.path, loaded, manifest, state, strict, stacklevel=4)
             return manifest["step"] if manifest["step"] is not None else entry.step
         self._dir.warn_partials(entries, above=-1, in_flight=None)
         return None
