@@ -540,5 +540,26 @@ def test_run_ranks_works_without_pytest_and_leaves_no_processes(tmp_path) -> Non
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
 
 
+def test_run_ranks_from_a_script_read_on_stdin_says_to_save_it_as_a_file(tmp_path) -> None:
+    script = textwrap.dedent(
+        """
+        import distkit.testing
+
+        def rank():
+            import distkit
+            return distkit.get_rank()
+
+        if __name__ == "__main__":
+            distkit.testing.run_ranks(rank, world_size=2, timeout_s=60)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    # Was: "keep its top-level code under `if __name__ == '__main__':`", which it already was.
+    assert "read from stdin (`python - < script.py`), which a child cannot read again" in done.stderr
+
+
 def test_run_ranks_is_the_same_call_as_the_fixture() -> None:
     assert run_ranks(rank_times, 2, world_size=2) == [0, 2]

@@ -685,11 +685,17 @@ class _Group:
             proc.join(timeout=_KILL_WAIT_S)
             text = self._output_tail(rank)
             if not text and not self.healthy:
+                why = (
+                    "multiprocessing re-imports the main script in every child, and this one was read "
+                    "from stdin (`python - < script.py`), which a child cannot read again: save it as "
+                    "a file and run `python script.py`."
+                    if _main_from_stdin()
+                    else "multiprocessing re-imports the main script in every child: keep its "
+                    "top-level code under `if __name__ == '__main__':`."
+                )
                 text = (
-                    "The rank wrote nothing: it ended before redirecting its output, so its "
-                    "traceback (if any) is on this process's stderr. multiprocessing re-imports the "
-                    "main script in every child: keep its top-level code under "
-                    "`if __name__ == '__main__':`."
+                    "The rank wrote nothing: it ended before redirecting its output, so its traceback "
+                    f"(if any) is on this process's stderr. {why}"
                 )
             return _Outcome("exit", line=_exit_line(proc.exitcode), text=text, exitcode=proc.exitcode)
         kind = message[0]
@@ -1154,3 +1160,10 @@ def run_ranks(
 for _public in (RankFailedError, RankFailure, RankPools, Ranks, run_ranks):
     _public.__module__ = "distkit.testing"
 del _public
+
+
+def _main_from_stdin() -> bool:
+    """Whether the main script has a file name that is no file (``<stdin>``): multiprocessing's
+    children, which run it again by that name, then fail to open it."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return isinstance(path, str) and not os.path.exists(path)
