@@ -378,6 +378,40 @@ def test_resume_with_a_changed_trainer_option_warns_and_saves_the_new_config(
     assert saved["trainer"]["max_epochs"] == 2
 
 
+STEP_LR = ["--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "3", "--lr_scheduler.gamma", "0.5"]
+
+
+def test_a_scheduler_from_the_config_trains(tmp_path: Path) -> None:
+    # Was: TypeError: StepLR.__init__() got multiple values for argument 'step_size' (the Trainer,
+    # taking jsonargparse's (*args, **kwargs) factory for one of (optimizer, trainer), passed itself).
+    cli = make_cli(run_args(tmp_path, "--optimizer.lr", "0.01", *STEP_LR), run=True)
+    assert type(cli.trainer.lr_scheduler) is torch.optim.lr_scheduler.StepLR
+    assert cli.trainer.global_step == 4 and cli.trainer.optimizer.param_groups[0]["lr"] == 0.01 * 0.5
+
+
+@pytest.mark.parametrize("schedule", [[], STEP_LR], ids=["constant", "StepLR"])
+def test_resume_with_a_changed_learning_rate_trains_with_it(tmp_path: Path, schedule: list[str]) -> None:
+    make_cli(run_args(tmp_path, "--optimizer.lr", "0.01", *schedule), run=True)
+    # Was: the warning said "going on with the new values", and the checkpoint's 0.01 went on.
+    resumed = run_args(tmp_path, "--optimizer.lr", "0.002", "--trainer.resume", "auto", *schedule)
+    cli = make_cli([*resumed, "--trainer.max_epochs", "2", "--optimizer.weight_decay", "0.5"], run=True)
+    group = cli.trainer.optimizer.param_groups[0]
+    assert cli.trainer.global_step == 8 and group["weight_decay"] == 0.5
+    # The schedule goes on from the new rate: StepLR halved it twice more in 8 steps.
+    assert group["lr"] == pytest.approx(0.002 if not schedule else 0.002 * 0.5**2)
+    if schedule:
+        assert cli.trainer.lr_scheduler.base_lrs == [pytest.approx(0.002)]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["optimizer"]["init_args"]["lr"] == 0.002
+
+
+def test_resume_with_changed_scheduler_settings_is_refused(tmp_path: Path) -> None:
+    make_cli(run_args(tmp_path, *STEP_LR), run=True)
+    # Was: warned as applied, while the restored scheduler took its old gamma back.
+    changed = [*STEP_LR[:-1], "0.1", "--trainer.resume", "auto", "--trainer.max_epochs", "2"]
+    with pytest.raises(DistkitError, match=r"lr_scheduler\.init_args\.gamma: 0\.5 -> 0\.1"):
+        make_cli(run_args(tmp_path, *changed), run=True)
+
+
 def test_resume_with_a_changed_model_is_refused_naming_keys_values_and_fix(tmp_path: Path) -> None:
     make_cli(run_args(tmp_path), run=True)
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())

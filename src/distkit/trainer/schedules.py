@@ -184,6 +184,40 @@ def rescale_after_restore(run: Run) -> None:
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
+def apply_changed_settings(run: Run, configured: list[dict[str, Any]], changed: list[str]) -> None:
+    """After a resume whose configuration changed optimizer settings (``changed``, e.g.
+    ``["lr", "weight_decay"]``): put this run's values (``configured``: the optimizer's groups as
+    made, before the restore put the checkpoint's back) into the restored groups. A changed
+    learning rate rescales the schedule by new / old: the rate of every step to come, the
+    scheduler's base rates and the groups' ``initial_lr``, as if the run had started with it. Local.
+    """
+    if not changed:
+        return
+    optimizer, scheduler = run.optimizer, run.lr_scheduler
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    for index, (group, made) in enumerate(zip(optimizer.param_groups, configured, strict=True)):
+        for name in changed:
+            if name == "lr":
+                old = _base_lr(group)
+                ratio = _base_lr(made) / old if old else 1.0
+                group["lr"] = group["lr"] * ratio if old else made["lr"]
+                if "initial_lr" in group:
+                    group["initial_lr"] *= ratio
+                if BASE_LR_KEY in made:
+                    group[BASE_LR_KEY] = made[BASE_LR_KEY]
+                if base_lrs is not None:
+                    base_lrs[index] *= ratio
+            elif name in group and name in made:
+                group[name] = made[name]
+    if scheduler is not None and hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _base_lr(group: dict[str, Any]) -> float:
+    """A group's configured learning rate: before any scaling (scale_lr) or schedule."""
+    return float(group.get(BASE_LR_KEY, group.get("initial_lr", group["lr"])))
+
+
 def describe(run: Run) -> str:
     """The start-up report's learning-rate line: base rates, the scaling, and the rate of the
     first step to come when a schedule makes it differ (warm-up)."""

@@ -189,10 +189,12 @@ def setup(
         claim(trainer, checkpoint)
     # A TrainerCLI run's config: the same on every rank, and a resume of a changed model refused
     # before its checkpoint is loaded; then saved beside the checkpoints (docs/config.md).
-    _run_config.check_resume(trainer)
+    changed = _run_config.check_resume(trainer)  # the optimizer settings a resume changes
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     resumed_from = restore(run)
     _run_config.save(trainer, resumed_from)
     if resumed_from is not None:
+        schedules.apply_changed_settings(run, configured, changed)
         schedules.rescale_after_restore(run)
     if runtime.is_main_process():
         for logger in trainer.loggers:
@@ -427,7 +429,10 @@ def _takes_trainer(factory: Any) -> bool:
         for p in parameters
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
-    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    # A bare (*args, **kwargs) is a wrapper (TrainerCLI's scheduler, made by jsonargparse, passes
+    # them on to the class's __init__, where the Trainer would land in step_size): optimizer only.
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    return len(positional) >= 2 or (variadic and len(positional) == 1)
 
 
 def make_loader(trainer: Options, data: Any, batch_size: int, *, evaluation: bool, world_size: int) -> Any:

@@ -117,13 +117,18 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any,
 
 
 def is_refused(key: str) -> bool:
-    """Whether a change of ``key`` refuses a resume: the model's arguments, and the class of the
-    optimizer or scheduler (whose saved state belongs to that class). Local."""
+    """Whether a change of ``key`` refuses a resume: the model's arguments, the class of the
+    optimizer, and the scheduler (class and arguments: a restored scheduler takes its settings back
+    from the checkpoint, so new ones would be shown as applied and silently ignored). Local."""
     return (
         key == "model"
         or key.startswith("model.")
-        or key in ("optimizer", "optimizer.class_path", "lr_scheduler", "lr_scheduler.class_path")
+        or key in ("optimizer", "optimizer.class_path", "lr_scheduler")
+        or key.startswith("lr_scheduler.")
     )
+
+
+_OPTIMIZER_ARGS = "optimizer.init_args."
 
 
 def check_ranks_agree(trainer: Options) -> None:
@@ -161,30 +166,35 @@ def check_ranks_agree(trainer: Options) -> None:
         )
 
 
-def check_resume(trainer: Options) -> None:
+def check_resume(trainer: Options) -> list[str]:
     """Before the checkpoint is restored: refuse a resume of this run with a changed model
-    configuration.
+    configuration; return the optimizer settings the new configuration changed.
 
     Collective: call on every rank, after the checkpoint callback is set up and before the
     restore. The main process reads the saved ``config.yaml`` and decides; every rank raises the
-    same error. A no-op without a ``run_config``.
+    same error, or gets the same names (``["lr"]``), whose new values the caller puts into the
+    restored optimizer (the checkpoint's state holds the old ones). A no-op without a
+    ``run_config``.
 
     Raises:
-        DistkitError: The resume would continue a run whose ``model.*`` keys (or optimizer or
-            scheduler class) differ: the message lists the keys with their old and new values, and
-            how to go on.
+        DistkitError: The resume would continue a run whose ``model.*`` keys, optimizer class or
+            scheduler differ: the message lists the keys with their old and new values, and how
+            to go on.
 
     Example:
         >>> check_resume(trainer)  # doctest: +SKIP
+        ['lr']
     """
     config = get_run_config(trainer)
     if config is None:
-        return
-    error = _refusal(trainer, config) if runtime.is_main_process() else None
+        return []
+    verdict = _verdict(trainer, config) if runtime.is_main_process() else None
     if runtime.get_world_size() > 1:
-        error = broadcast_object(error)
+        verdict = broadcast_object(verdict)
+    error, changed = verdict or (None, [])
     if error is not None:
         raise DistkitError(error)
+    return changed
 
 
 def save(trainer: Options, resumed_from: int | None) -> None:
@@ -245,30 +255,36 @@ def hyperparams(trainer: Options, derived: Mapping[str, Any]) -> dict[str, Any]:
     return {**copy.deepcopy(config), "run": redact_data(dict(derived))}
 
 
-def _refusal(trainer: Options, config: Mapping[str, Any]) -> str | None:
-    """The refusal's message when this resume continues a run whose model configuration changed."""
+def _verdict(trainer: Options, config: Mapping[str, Any]) -> tuple[str | None, list[str]] | None:
+    """For a resume that continues this run: the refusal's message when its model configuration
+    (or its optimizer's class, or its scheduler) changed, and the optimizer settings that changed."""
     if trainer.resume is None or not _continues_run(trainer):
         return None
     path = config_path(trainer)
     previous = _read(path)
     if previous is None:
         return None
-    refused = {key: values for key, values in diff(previous, config).items() if is_refused(key)}
+    changed = diff(previous, config)
+    refused = {key: values for key, values in changed.items() if is_refused(key)}
+    settings = [key[len(_OPTIMIZER_ARGS) :] for key in changed if key.startswith(_OPTIMIZER_ARGS)]
     if not refused:
-        return None
+        return None, settings
     checkpoint = _checkpoint_to_resume(trainer)
     if checkpoint is None:  # nothing to resume from: a fresh start, whatever config.yaml says
         return None
     first_key, (old_value, _) = next(iter(refused.items()))
     root = os.fspath(trainer.default_root_dir)
     resume = redact_url(str(trainer.resume))
+    what = "model configuration" if any(k.startswith("model") for k in refused) else "configuration"
     return (
         f"resume={resume!r} continues the run in {redact_url(root)} (from {redact_url(checkpoint)}), "
-        f"but the model configuration changed since that run started ({path}):\n"
+        f"but the {what} changed since that run started ({path}):\n"
         f"{_listing(refused)}\n"
-        f"The checkpoint holds the old model's weights and optimizer state. To continue that run, "
-        f"give the old values back (e.g. {_flag(first_key, old_value)}); to train the changed model, "
-        f"start a new run in another directory (e.g. --trainer.default_root_dir {root.rstrip('/')}-2)."
+        f"The checkpoint holds the old model's weights, optimizer state and scheduler state (whose "
+        f"settings a restore puts back). To continue that run, give the old values back (e.g. "
+        f"{_flag(first_key, old_value)}); to train with the changed values, start a new run in "
+        f"another directory (e.g. --trainer.default_root_dir {root.rstrip('/')}-2).",
+        settings,
     )
 
 
