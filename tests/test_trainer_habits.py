@@ -361,3 +361,23 @@ def test_an_attribute_no_lightningmodule_has_gets_no_note(tmp_path: Path) -> Non
     with pytest.raises(AttributeError) as caught:
         _trainer(tmp_path).validate(_AsksFor("hiden"), _data())
     assert str(caught.value) == "'_AsksFor' object has no attribute 'hiden'"
+
+
+def test_a_scheduler_shorter_than_the_run_is_named_with_its_length_and_the_fix(tmp_path: Path) -> None:
+    def short(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=3)
+
+    trainer = _trainer(tmp_path, max_epochs=1, batch_size=8, enable_checkpointing=False)
+    # Was: torch's "Tried to step 4 times" alone, mid-run (as after a resume on fewer ranks).
+    expected = (
+        r"Tried to step 4 times.*\ndistkit: the learning-rate scheduler \(OneCycleLR\) was made for 3 steps"
+    )
+    with pytest.raises(ValueError, match=expected) as caught:
+        trainer.fit(
+            _model(),
+            _data(),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+            lr_scheduler=short,
+        )
+    assert "total_steps=trainer.total_steps" in str(caught.value)

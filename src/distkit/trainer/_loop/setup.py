@@ -227,6 +227,7 @@ def join_job(plan: strategies._Plan) -> None:
 def on_failure(trainer: Options, err: BaseException) -> None:
     """What a failed ``fit`` does before its error goes on."""
     _model_io.note_lightning_habit(err)
+    _note_schedule_end(trainer, err)
     # This rank's own error: the other ranks learn it first. A collective that failed because a
     # rank ended: one report of where every rank is, naming that rank, and this rank exits.
     runtime._on_failure(err)
@@ -235,6 +236,27 @@ def on_failure(trainer: Options, err: BaseException) -> None:
     checkpoint = checkpoint_callback(trainer.callbacks)
     if checkpoint is not None and checkpoint.manager is not None:
         checkpoint.manager.__exit__(type(err), err, err.__traceback__)
+
+
+def _note_schedule_end(trainer: Options, err: BaseException) -> None:
+    """Say why a scheduler with a fixed length (OneCycleLR) ran out of steps: the checkpoint's
+    scheduler was made for the job that saved it, whose number of ranks gave another number of
+    steps per epoch. Local."""
+    run = getattr(trainer, "_shown", None)
+    scheduler = getattr(run, "lr_scheduler", None)
+    if not (isinstance(err, ValueError) and "Tried to step" in str(err) and scheduler is not None):
+        return
+    length = getattr(scheduler, "total_steps", None)
+    err.args = (
+        f"{err}\ndistkit: the learning-rate scheduler ({type(scheduler).__name__}) was made for "
+        f"{length} steps, and this run goes on past them at step {trainer.global_step + 1} "
+        f"({trainer.steps_per_epoch} steps an epoch here). Make it as long as the run: "
+        f"total_steps=trainer.total_steps, in a factory of (optimizer, trainer). A run resumed on "
+        f"another number of ranks than the one that saved it takes another number of steps an "
+        f"epoch, while the scheduler's state, its length included, comes from the checkpoint: "
+        f"resume on the number of ranks that saved it, or train by max_steps (a length in "
+        f"optimizer steps, the same on any number of ranks).",
+    )
 
 
 def finalize_loggers(trainer: Options) -> None:
