@@ -1315,6 +1315,41 @@ def test_self_launch_from_a_script_without_main_guard_fails_with_one_short_error
     assert not (tmp_path / "checkpoints").exists()  # refused before any process started
 
 
+CLASS_UNDER_GUARD_SCRIPT = """import os
+import torch
+from torch import nn
+from distkit.trainer import Trainer
+
+if __name__ == "__main__":
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    trainer = Trainer(strategy="ddp", devices=2, max_steps=2, default_root_dir=os.path.dirname(__file__))
+    trainer.fit(Net(), data, optimizer=torch.optim.SGD, loss_fn=nn.CrossEntropyLoss())
+"""
+
+
+def test_a_class_defined_under_the_main_guard_is_named_before_any_process_starts(tmp_path) -> None:
+    # Was: every worker failed to unpickle it, and torch's ChildFailedError (AttributeError: Can't get
+    # attribute 'Net' on <module '__mp_main__'>) with some 40 lines of its traceback.
+    script = tmp_path / "guarded_class.py"
+    script.write_text(CLASS_UNDER_GUARD_SCRIPT)
+    result = run_job([sys.executable, str(script)], job_env(), timeout_s=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert (
+        'which refer to Net of the script; but Net is defined under its `if __name__ == "__main__":` '
+        "block, which the processes do not run" in output
+    ), output
+    assert "ChildFailedError" not in output and not (tmp_path / "checkpoints").exists()
+
+
 GUARDED_SCRIPT = """import os
 import torch
 from torch import nn

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import io
 import logging
 import multiprocessing
 import os
@@ -137,8 +138,10 @@ def serialize(what: str, payload: tuple[Any, ...]) -> bytes:
     Plain pickle copies tensors into the bytes. Handing tensors to ``multiprocessing`` directly
     would move them to shared memory, and every worker would then train the same parameters.
     """
+    buffer = io.BytesIO()
+    pickler = _MainNamesPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     try:
-        return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dump(payload)
     except (pickle.PicklingError, TypeError, AttributeError) as err:
         raise DistkitError(
             f"fit() starts its own processes and sends them {what}, but something in it cannot be "
@@ -147,6 +150,54 @@ def serialize(what: str, payload: tuple[Any, ...]) -> bytes:
             f"unpicklable state, or start the script under `torchrun --nproc_per_node=N`, which needs "
             f"no pickling."
         ) from err
+    guarded = _defined_under_guard(pickler.main_names)
+    if guarded:
+        names = ", ".join(guarded)
+        raise DistkitError(
+            f"fit() starts its own processes and sends them {what}, which refer to {names} of the "
+            f"script; but {names} {'is' if len(guarded) == 1 else 'are'} defined under its `if "
+            f'__name__ == "__main__":` block, which the processes do not run (they import the '
+            f"script as '__mp_main__'), so they could not find {'it' if len(guarded) == 1 else 'them'}. "
+            f"Define {names} at the module level, above the guard, or start the script under "
+            f"`torchrun --nproc_per_node=N`."
+        )
+    return buffer.getvalue()
+
+
+class _MainNamesPickler(pickle.Pickler):
+    """A pickler that notes the classes and functions of the main script it refers to by name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.main_names: set[str] = set()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            self.main_names.add(obj.__qualname__.split(".", 1)[0])
+        return NotImplemented
+
+
+def _defined_under_guard(names: set[str]) -> list[str]:
+    """Those of ``names`` that the main script binds only inside an ``if __name__ == "__main__":``
+    block (so a worker importing it lacks them); none when its source cannot be read."""
+    if not names:
+        return []
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(str(path), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return []
+    outside: set[str] = set()
+    inside: set[str] = set()
+    for node in tree.body:
+        guarded = isinstance(node, ast.If) and _tests_main(node.test)
+        for child in ast.walk(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                (inside if guarded else outside).add(child.name)
+            elif isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                (inside if guarded else outside).add(child.id)
+    return sorted(name for name in names if name in inside and name not in outside)
 
 
 def process_state() -> dict[str, Any]:
