@@ -273,6 +273,32 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             None,
             ["trainer.callbacks: EarlyStoping names no class", "Did you mean distkit.EarlyStopping?"],
         ),
+        # A slip in the init args of a class inside trainer.* (was: "Did you mean" the slip itself,
+        # "in a config file", and the top-level keys).
+        (
+            ["--model.hidden", "4"],
+            {
+                "trainer": {
+                    "callbacks": [
+                        {"class_path": "distkit.trainer.EarlyStopping", "init_args": {"monitr": "val_loss"}}
+                    ]
+                }
+            },
+            [
+                "unknown key trainer.callbacks.monitr in",
+                "bad.yaml (given 'val_loss')",
+                "Did you mean trainer.callbacks.monitor?",
+                "accepts: monitor, mode, patience",
+            ],
+        ),
+        (
+            ["--model.hidden", "4", "--trainer.logger", "CSVLogger", "--trainer.logger.save_dr", "logs"],
+            None,
+            [
+                "unknown key trainer.logger.save_dr on the command line (given 'logs')",
+                "Did you mean trainer.logger.save_dir?",
+            ],
+        ),
         # Values the Trainer refuses: the key, where it was given, the fix; no traceback.
         (
             ["--model.hidden", "4", "--trainer.strategy", "dpp"],
@@ -297,6 +323,8 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "class-name-typo",
         "class-module-typo-in-file",
         "callback-typo",
+        "callback-init-arg-typo-in-file",
+        "logger-init-arg-typo-cli",
         "trainer-refuses-cli",
         "trainer-refuses-in-file",
     ],

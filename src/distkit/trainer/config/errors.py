@@ -50,7 +50,10 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
         key = f"{group.group(1)}.{group.group(2)}" if group else ".".join([*outer[:1], inner.group(2)])
         value = _value_in_namespace_text(text, key.rsplit(".", 1)[-1])
         where = ""
-        if value is None:
+        typed = _value_on_command_line(argv, key)
+        if typed is not None:
+            value, where = value if value is not None else typed, "on the command line"
+        elif value is None:
             value, path = _value_in_config_files(argv, key)
             where = f"in {path}" if path else "in a config file"
         return _unknown(key, value, actions, where, fix, text)
@@ -202,7 +205,9 @@ def _unknown(key: str, value: Any, actions: Mapping[str, Any], where: str, fix: 
     if value is not None:
         message += f" (given {value!r})"
     message += "."
-    if group and group in top:
+    # A group of options (trainer, optimizer), or one option holding classes (trainer.callbacks,
+    # trainer.logger), whose init args the key names.
+    if group and (group in top or group in actions):
         known = sorted(d for d in actions if d.startswith(group + ".") and not d.endswith(".help"))
         if not known:  # a class-path option: the init args of the class chosen
             known = _init_arg_names(detail, group)
@@ -222,15 +227,17 @@ def _unknown(key: str, value: Any, actions: Mapping[str, Any], where: str, fix: 
 
 def _init_arg_names(text: str, group: str) -> list[str]:
     """The init args the chosen class of a class-path option accepts (from the error's text)."""
-    found = re.search(r"class_path='([^']+)'", text)
+    found = re.search(r"class_path[= ]'([^']+)'", text)  # "class_path='X'" or "class_path 'X'"
     if not found:
         return []
     module, _, name = found.group(1).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
-        params = list(inspect.signature(cls).parameters)[1:]  # the first is supplied by fit
+        params = list(inspect.signature(cls).parameters)
     except (ImportError, AttributeError, TypeError, ValueError):
         return []
+    if group in ("optimizer", "lr_scheduler"):
+        params = params[1:]  # the first (parameters, optimizer) is supplied by fit
     return [f"{group}.{p}" for p in params]
 
 
@@ -279,11 +286,24 @@ def _value_in_config_files(argv: list[str], key: str) -> tuple[Any, str | None]:
                 node: Any = yaml.safe_load(handle)
         except (OSError, yaml.YAMLError):
             continue
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:
-            value, where = node, path
+        found = _find(node, key.split("."))
+        if found is not None:
+            value, where = found, path
     return value, where
+
+
+def _find(node: Any, parts: list[str]) -> Any:
+    """The value at ``parts`` in a loaded config, looking into lists (``trainer.callbacks``) and the
+    ``init_args`` of a class path on the way."""
+    if not parts:
+        return node
+    if isinstance(node, list):
+        return next((v for v in (_find(item, parts) for item in node) if v is not None), None)
+    if not isinstance(node, dict):
+        return None
+    if parts[0] in node:
+        return _find(node[parts[0]], parts[1:])
+    return _find(node["init_args"], parts) if isinstance(node.get("init_args"), dict) else None
 
 
 def _expected(action: Any) -> str:
