@@ -880,6 +880,9 @@ def test_cuda_device_indices_without_cuda_are_refused() -> None:
         ({"logger": CSVLogger}, TypeError, r"the class CSVLogger: pass an instance, CSVLogger\(\.\.\.\)"),
         ({"strategy": DDPStrategy}, ValueError, r"Did you mean DDPStrategy\(\)\?"),
         ({"profiler": TorchProfiler}, ValueError, r"Did you mean TorchProfiler\(\)\?"),
+        ({"gradient_clip_val": "1"}, TypeError, r"gradient_clip_val must be a number > 0 or None, got str"),
+        ({"resume": "last"}, ValueError, r"resume='last' is fit\(ckpt_path='last'\)'s word.*resume='auto'"),
+        ({"default_root_dir": None}, TypeError, r"default_root_dir must be the path of the run's directory"),
         # Keywords the Trainer does not take: a slip, or Lightning's name (Python names neither).
         (
             {"max_epoch": 3},
@@ -915,6 +918,8 @@ def test_keywords_that_fit_and_modelcheckpoint_do_not_take_name_the_one_meant(tm
         trainer.fit(model, train_dataloaders=data, optimizer=optimizer)
     with pytest.raises(TypeError, match=r"'optimiser'\. Did you mean optimizer=\?"):
         trainer.fit(model, data, optimiser=optimizer)
+    with pytest.raises(TypeError, match=r"metrics must map names to metric functions, .* got list"):
+        trainer.fit(model, data, optimizer=optimizer, metrics=[distkit.trainer.accuracy])
     with pytest.raises(TypeError, match=r"'criterion': the loss function goes in loss_fn="):
         trainer.fit(model, data, optimizer=optimizer, criterion=nn.CrossEntropyLoss())
     with pytest.raises(TypeError, match=r"Trainer\.validate\(\) got .* 'dataloaders': pass the data"):

@@ -318,6 +318,12 @@ class Trainer:
         self.log_every_n_steps = log_every_n_steps
         self.check_val_every_n_epoch = check_val_every_n_epoch
         self.val_check_interval = val_check_interval
+        if not isinstance(default_root_dir, (str, os.PathLike)) or str(default_root_dir) in ("", "None"):
+            # None from a config's `null` becomes "None" on the way: a directory ./None, in silence.
+            raise TypeError(
+                f"default_root_dir must be the path of the run's directory (default 'runs'), got "
+                f"{default_root_dir!r}."
+            )
         self.default_root_dir = Path(default_root_dir).expanduser()  # "~/runs", as a shell reads it
         self.resume = None if resume is None else os.fspath(resume)
         _setup.check_checkpoint_word(self.resume, "resume", ("auto",))
@@ -595,6 +601,11 @@ class Trainer:
             return
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"metrics must map names to metric functions, e.g. {{'acc': distkit.trainer.accuracy}}, "
+                f"got {type(metrics).__name__}."
+            )
         _model_io.convention(model, loss_fn)  # raises when there is no way to a loss
         _model_io.check_trains(model)  # before any process starts
         check_not_tensor_tuple(train_data, "train_data")

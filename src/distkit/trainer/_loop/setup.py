@@ -292,6 +292,13 @@ def check_checkpoint_word(value: str | None, name: str, words: tuple[str, ...]) 
     that names no existing path, instead of looking for a checkpoint of that name. Local."""
     if value is None or value in words or "://" in value or os.path.exists(value):
         return
+    if name == "resume" and value in ("last", "best"):
+        # fit(ckpt_path=...)'s words, where the Trainer takes 'auto' or a path.
+        raise ValueError(
+            f"resume={value!r} is fit(ckpt_path={value!r})'s word, not Trainer(resume=...)'s: pass "
+            f"resume='auto' to continue from the latest checkpoint"
+            + (", or fit(..., ckpt_path='best') for the best one." if value == "best" else ".")
+        )
     close = difflib.get_close_matches(value.lower(), words, n=1, cutoff=0.7)
     if close:
         named = " nor ".join(repr(word) for word in words)
@@ -788,6 +795,13 @@ def check_options(
             raise ValueError(
                 f"val_check_interval must be >= 1 as a number of steps, got {val_check_interval}."
             )
+    if gradient_clip_val is not None and (
+        isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float))
+    ):
+        raise TypeError(
+            f"gradient_clip_val must be a number > 0 or None, got {type(gradient_clip_val).__name__} "
+            f"{gradient_clip_val!r}."
+        )
     if gradient_clip_val is not None and not gradient_clip_val > 0:
         raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}.")
     if gradient_clip_algorithm not in ("norm", "value"):
