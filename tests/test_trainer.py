@@ -783,7 +783,8 @@ def fresh_fit(directory: str, resume: str | None, overwrite: bool) -> tuple[str,
         trainer.fit(
             model,
             RandomDataset(20, 320),
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            # resumable_run's optimizer: a resume restores its state (another kind is refused).
+            optimizer=lambda params: torch.optim.AdamW(params, lr=0.01),
             loss_fn=nn.functional.cross_entropy,
         )
     except distkit.CheckpointConflictError as err:
@@ -1212,6 +1213,26 @@ def test_csv_tensorboard_and_monitors_record_the_run(tmp_path) -> None:
         "step_000000005",
         "step_000000010",
     ]
+
+
+def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(tmp_path, caplog) -> None:
+    def run(lr: float) -> None:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            str(tmp_path), strategy="single", max_steps=2, log_every_n_steps=1, logger=True
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+
+    run(0.1)
+    first = (tmp_path / "metrics.csv").read_text()
+    # Was: the second run's metrics.csv and hparams.json replaced the first run's, in silence.
+    with caplog.at_level("WARNING", logger="distkit.trainer"):
+        run(0.5)
+    assert (tmp_path / "metrics.1.csv").read_text() == first
+    assert (tmp_path / "hparams.1.json").exists() and (tmp_path / "hparams.json").exists()
+    assert (tmp_path / "metrics.csv").read_text() != first
+    assert "held the metrics of an earlier run in this directory: kept as metrics.1.csv" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -101,13 +101,42 @@ class Logger:
         """Flush and close; called at the end of ``fit``, also when it fails."""
 
 
+def _keep_earlier_run(path: Path) -> None:
+    """A fresh run writing where an earlier one left its rows (a reused ``default_root_dir``
+    without checkpoints, whose reuse is refused): the earlier file and its ``hparams.json`` are
+    kept under the first free suffix (``metrics.1.csv``, ``hparams.1.json``), not overwritten."""
+    hparams = path.parent / "hparams.json"
+    if not path.exists():
+        return
+    with open(path, newline="") as handle:
+        handle.readline()  # the header
+        if not handle.readline():  # no rows to keep
+            return
+    number = 1
+    while path.with_suffix(f".{number}{path.suffix}").exists():
+        number += 1
+    kept = path.with_suffix(f".{number}{path.suffix}")
+    os.replace(path, kept)
+    if hparams.exists():
+        os.replace(hparams, hparams.with_suffix(f".{number}.json"))
+    _log.warning(
+        "%s held the metrics of an earlier run in this directory: kept as %s (and its hparams.json "
+        "beside it); this run writes a new %s. Give each run its own default_root_dir to keep them "
+        "apart.",
+        path,
+        kept.name,
+        path.name,
+    )
+
+
 class CSVLogger(Logger):
     """Metrics as rows of a CSV file: one row per logging step or epoch end, one column per name.
 
     Local (main process only). The file is rewritten atomically whenever a new metric name adds a
     column, so a reader never sees a half-written header; ``hparams.json`` beside it holds the run's
-    configuration. A fresh ``fit`` starts a new file; a resumed one keeps the rows up to the resumed
-    step and drops the rest (they belong to the interrupted attempt).
+    configuration. A fresh ``fit`` starts a new file (an earlier run's is kept as ``metrics.1.csv``,
+    with a warning); a resumed one keeps the rows up to the resumed step and drops the rest (they
+    belong to the interrupted attempt).
 
     Args:
         save_dir: Directory of the files; ``None`` means the Trainer's ``default_root_dir``.
@@ -144,6 +173,8 @@ class CSVLogger(Logger):
                 reader = csv.DictReader(handle)
                 self._columns = list(reader.fieldnames or ["step"])
                 self._rows = [row for row in reader if int(row["step"]) <= resume_step]
+        elif resume_step is None:
+            _keep_earlier_run(self.path)
         self._rewrite()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
