@@ -467,7 +467,7 @@ def test_only_a_distkit_save_that_did_not_finish_is_called_one(tmp_path: Path) -
         distkit.load_checkpoint(tmp_path / "empty")
 
 
-def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_its_highest_step(
+def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_its_highest_complete_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A natural slip: the directory of the run's checkpoints instead of one of them.
@@ -495,6 +495,21 @@ def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_it
     assert f"`distkit checkpoint inspect {newest}`" in capsys.readouterr().err
     with pytest.raises(ForeignCheckpointError, match=re.escape(f"Trainer(resume='{newest}')")):
         resume_fit(str(tmp_path / "run"), str(directory), "single")
+    # A save killed before its manifest: a higher step that must not be the one recommended.
+    (directory / "step_000000011").mkdir()
+    (directory / "step_000000011" / "state.pt").write_bytes(b"half")
+    with pytest.raises(ForeignCheckpointError) as caught:
+        distkit.load_checkpoint(directory, state)
+    message = str(caught.value)
+    assert (
+        "3 step checkpoint(s) (step_000000009, step_000000010, step_000000011); step_000000011 did not "
+        "finish (no manifest.json)"
+    ) in message, message
+    assert f"distkit.load_checkpoint('{newest}', state)" in message, message
+    assert main(["checkpoint", "inspect", str(directory)]) == 1
+    assert f"`distkit checkpoint inspect {newest}`" in capsys.readouterr().err
+    (directory / "step_000000011" / "state.pt").unlink()
+    (directory / "step_000000011").rmdir()
     # The run's directory (the Trainer's default_root_dir) instead of its checkpoints sub-directory.
     (tmp_path / "metrics.csv").write_text("step\n")
     with pytest.raises(ForeignCheckpointError) as caught:

@@ -432,6 +432,44 @@ def test_a_distkit_collective_called_on_rank_0_only_raises_at_once_naming_the_ot
     assert helper.split(".")[-1] in message or helper in message, message
 
 
+def call_with_its_own_rank_as_src(helper: str) -> tuple[float, str, list[int]] | str:
+    distkit.init("gloo", hang_timeout_s=0)
+    rank = distkit.get_rank()
+    start = time.monotonic()
+    try:
+        if helper == "broadcast_object":
+            distkit.broadcast_object(f"from {rank}", src=rank)  # each rank sends; none receives
+        else:
+            distkit.scatter_object(["a", "b"], src=rank)
+    except distkit.CollectiveMismatchError as err:
+        return time.monotonic() - start, str(err), err.missing_ranks
+    return "returned"
+
+
+@pytest.mark.parametrize("helper", ["broadcast_object", "scatter_object"])
+def test_ranks_that_pass_another_src_raise_at_once_naming_each_ranks_src(
+    pools: RankPools, helper: str
+) -> None:
+    """Was: every rank waited out the process group's timeout (10 minutes by default), then gloo's
+    "Timed out waiting ... for send operation to complete", which names no rank and no cause. (With
+    three ranks, two of which pass the same src, one of those gets past the call's first collective;
+    it fails as soon as the others' processes end, naming their error.)"""
+    results = pools.run(
+        call_with_its_own_rank_as_src, helper, world_size=2, fresh=True, init=False, timeout_s=60
+    )
+    for rank, result in enumerate(results):
+        assert result != "returned", results
+        elapsed, message, missing = result
+        assert elapsed < 10, elapsed  # seconds, not the process group's timeout
+        assert (
+            f"{helper} needs the same src on every rank, but they differ: rank 0 src=0, rank 1 src=1. "
+            f"Decide the sending rank once"
+        ) in message, message
+        assert message.startswith(f"[rank {rank}/2] distkit.{helper}(src="), message
+        assert f"is waiting in distkit.{helper}(src=" in message and "test_hang.py:" in message, message
+        assert len(missing) == 1, missing
+
+
 def barrier_after_a_rank_left() -> tuple[float, str] | None:
     distkit.init("gloo", hang_timeout_s=0)
     if distkit.get_rank() == 1:

@@ -254,6 +254,26 @@ def _where_to_move(local: Mapping[str, Any], missing: Mapping[int, Mapping[str, 
     return f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""
 
 
+def _other_src(rank: int, local: Mapping[str, Any], missing: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """Why the ranks can never meet when each waits in the same ``broadcast_object`` or
+    ``scatter_object``, some with another ``src`` (every rank that names itself sends and none
+    receives), or ``None`` when that is not the case. A rank may have got past the first of the
+    call's two collectives (it received from its src): it waits in the same call all the same."""
+    helper = local.get("helper")
+    if local.get("helper_src") is None or not missing:
+        return None
+    if any(answer.get("helper") != helper or answer.get("helper_src") is None for answer in missing.values()):
+        return None
+    srcs = {rank: local["helper_src"], **{r: answer["helper_src"] for r, answer in missing.items()}}
+    if len(set(srcs.values())) == 1:
+        return None
+    passed = ", ".join(f"rank {r} src={srcs[r]}" for r in sorted(srcs))
+    return (
+        f"{helper} needs the same src on every rank, but they differ: {passed}. Decide the sending "
+        f"rank once (a constant, such as src=0) and pass it on every rank."
+    )
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     line = text[0] if text else ""
@@ -1186,11 +1206,14 @@ class Doctor:
             place = _hang_report.location_text(answer)
             where.append(f"rank {rank} {_hang_report.doing_text(answer)}{' at ' + place if place else ''}")
         op = local.get("op") or f"distkit.{what}"
+        other_src = _other_src(self.rank, local, missing)
         if self.timeout is not None and self.available:
             header = (
                 f"distkit: {op} waits for {_hang_report.ranks_text(ranks)}, which can never arrive "
                 f"(seen after {waited_s:.1f} s). Where each rank is:"
             )
+            if other_src is not None:
+                header = f"distkit: {other_src} Where each rank is:"
             try:
                 side = self._side_store()
             except Exception:  # no second connection (the store's host ended): the one in hand
@@ -1201,7 +1224,9 @@ class Doctor:
             f"A collective must be called by every rank, in the same order: call it on every "
             f"rank{_where_to_move(local, missing)}."
         )
-        if local.get("internal"):
+        if other_src is not None:
+            advice = other_src
+        elif local.get("internal"):
             # Nothing of the user's is on this rank's stack: blaming the user would mislead.
             work = f" ({self.workload})" if self.workload else ""
             advice = (
@@ -1226,13 +1251,17 @@ class Doctor:
         """
         seq = self._helper_seq()
         frames = _hang_where.thread_frames(threading.get_ident())
-        helper = _hang_where.locate(frames).helper or what
+        here = _hang_where.locate(frames)
+        helper, src = here.helper or what, here.helper_src
         del frames
         return self.on_slow(
             self.store,
             key=f"c{seq}",
             what=helper,
-            arrived=lambda a: a.get("helper") == helper and a.get("helper_seq") == seq,
+            # A rank in the same collective with another src has not arrived: it never will.
+            arrived=lambda a: (
+                a.get("helper") == helper and a.get("helper_seq") == seq and a.get("helper_src") == src
+            ),
             behind=lambda a: a.get("helper") is not None and (a.get("helper_seq") or 0) < (seq or 0),
             local=lambda: self.where(_hang_where.thread_frames(threading.get_ident())),
             waited_s=waited_s,

@@ -167,7 +167,9 @@ def _diagnosis(
                     if place and place not in elsewhere:
                         elsewhere.append(place)
             here = location_text({**answers[reference[0]], "step": None, "context": None})
-            if elsewhere and here:  # ranks that ended have no place: the line below names them
+            # Ranks that ended have no place (the line below names them); ranks at the same line
+            # in another call of it (another src) are told apart by the header.
+            if elsewhere and here and elsewhere != [here]:
                 lines.append(
                     f"{ranks_text(others)} {verb_others} not where {ranks_text(reference)} "
                     f"{verb_reference}: look at {', '.join(elsewhere)} ... {here}."

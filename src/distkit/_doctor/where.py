@@ -97,6 +97,8 @@ _ENTRY_NAMES = {
     ("distkit.coordination", "_FirstSection.__enter__"): "main_process_first",
     ("distkit.coordination", "_FirstSection.__exit__"): "main_process_first",
 }
+# distkit's collectives that send from one rank: every rank must name the same ``src``.
+_WITH_SRC = frozenset({"broadcast_object", "scatter_object"})
 # Local names a hand-written loop commonly counts its steps in.
 _STEP_NAMES = ("step", "global_step", "iter_num", "iteration", "it")
 
@@ -115,6 +117,7 @@ class Location:
     context: str | None = None  # "in `if distkit.is_main_process():`"
     step: str | None = None  # "step 124"
     helper: str | None = None  # the distkit collective whose wait is on the stack
+    helper_src: int | None = None  # the rank that the helper's data comes from, when it names one
     backward: bool = False  # in autograd's backward (a wait only when DDP is in the process)
     internal: bool = False  # the line shown is distkit's own code, not the user's (a bench worker)
     stack: list[str] = field(default_factory=list)  # outermost first
@@ -277,18 +280,20 @@ def _distkit_entry(frames: Frames, shown: int | None, decisive: int) -> str | No
     return None
 
 
-def _helper(frames: Frames, decisive: int) -> str | None:
-    """The public distkit collective around a distkit wait (``all_gather_object``, ``barrier``)."""
+def _helper(frames: Frames, decisive: int) -> tuple[str | None, int | None]:
+    """The public distkit collective around a distkit wait (``all_gather_object``, ``barrier``),
+    and the ``src`` it was given when it has one (``broadcast_object``, ``scatter_object``)."""
     code = frames[decisive][0]
     named = _DISTKIT_WAITS.get(_key(code))
     if named:
-        return named
-    for outer_code, _, _ in frames[decisive + 1 :]:
+        return named, None
+    for outer_code, _, frame in frames[decisive + 1 :]:
         if _category(outer_code.co_filename) != "distkit":
             break
         if not outer_code.co_name.startswith("_"):
-            return outer_code.co_name
-    return None
+            src = frame.f_locals.get("src") if frame is not None and outer_code.co_name in _WITH_SRC else None
+            return outer_code.co_name, src if type(src) is int else None
+    return None, None
 
 
 def _torch_op(frames: Frames, decisive: int) -> str:
@@ -345,9 +350,10 @@ def locate(frames: Frames, *, has_ddp: Callable[[], bool] | None = None) -> Loca
     index, category = decisive
     entry = _distkit_entry(frames, shown, index)
     if category == "distkit-wait":
-        helper = _helper(frames, index)
-        op = f"distkit.{helper}" if entry is None or entry == helper else f"distkit.{entry} -> {helper}"
-        return Location(WAIT, op, helper=helper, stack=stack, **where)
+        helper, src = _helper(frames, index)
+        called = helper if src is None else f"{helper}(src={src})"
+        op = f"distkit.{called}" if entry is None or entry == helper else f"distkit.{entry} -> {called}"
+        return Location(WAIT, op, helper=helper, helper_src=src, stack=stack, **where)
     if category == "exempt":
         code = frames[index][0]
         why = _DISTKIT_EXEMPT[_key(code)]

@@ -597,7 +597,11 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
         if "checkpoints" in names and storage.kind(inner) == "dir"
         else None
     )
-    raise _without_manifest(path, names, run_checkpoints=run_checkpoints)
+
+    def complete(directory: str, name: str) -> bool:
+        return _MANIFEST_FILE in (storage.contents(_join(directory, name)) or set())
+
+    raise _without_manifest(path, names, complete=complete, run_checkpoints=run_checkpoints)
 
 
 def _verify(storage: _Storage, path: str, *, checksums: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import pickletools
 import re
 import stat
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from distkit._utils.secrets import redact_url
@@ -146,21 +146,33 @@ def _unknown(names: set[str] | frozenset[str]) -> _Layout:
 
 
 def _manager_directory(
-    path: str, names: set[str] | frozenset[str], *, run: tuple[str, set[str]] | None = None
+    path: str,
+    names: set[str] | frozenset[str],
+    *,
+    complete: Callable[[str], bool],
+    run: tuple[str, set[str]] | None = None,
 ) -> ForeignCheckpointError | None:
     """The error for a :class:`CheckpointManager` directory (``step_<N>`` sub-directories) at ``path``
-    passed where one checkpoint is needed, naming its highest step's checkpoint; ``None`` for another
-    directory. ``run``: the directory that was passed and its names, when it is a Trainer run's
+    passed where one checkpoint is needed, naming its highest complete step's checkpoint (``complete``
+    tells, by name, whether a sub-directory holds a manifest); ``None`` for another directory.
+    ``run``: the directory that was passed and its names, when it is a Trainer run's
     ``default_root_dir`` whose ``checkpoints`` sub-directory is ``path``."""
     steps = sorted((int(found.group(1)), name) for name in names if (found := _STEP_RE.match(name)))
     if not steps:
         return None
     shown = redact_url(path)
-    newest = f"{shown.rstrip('/')}/{steps[-1][1]}"
     listed = _shown_names(name for _, name in steps)
     holding = f"{len(steps)} step checkpoint(s) ({listed})"
+    # A save killed before its manifest leaves a step directory: never the one to recommend.
+    finished = [name for _, name in steps if complete(name)]
+    unfinished = [name for _, name in steps if finished and _step_of(name) > _step_of(finished[-1])]
+    if not finished:
+        holding += f", none of them complete (no {_MANIFEST_FILE}: saves that did not finish)"
+    elif unfinished:
+        holding += f"; {_shown_names(unfinished)} did not finish (no {_MANIFEST_FILE})"
+    newest = f"{shown.rstrip('/')}/{(finished or [steps[-1][1]])[-1]}"
     fix = (
-        f"pass one of them, e.g. the highest step's: distkit.load_checkpoint({newest!r}, state), "
+        f"pass one of them, e.g. the highest complete step's: distkit.load_checkpoint({newest!r}, state), "
         f"Trainer(resume={newest!r}) or `distkit checkpoint inspect {newest}`. "
         f"CheckpointManager({shown!r}).restore(state) restores the newest complete one (as "
         f"Trainer(resume='auto') does from its own checkpoints), and `distkit checkpoint list {shown}` "
@@ -233,12 +245,18 @@ def _foreign_checkpoints(listing: Mapping[str, set[str]], top: Iterable[str]) ->
 
 
 def _without_manifest(
-    path: str, names: set[str], *, run_checkpoints: tuple[str, set[str]] | None = None
+    path: str,
+    names: set[str],
+    *,
+    complete: Callable[[str, str], bool],
+    run_checkpoints: tuple[str, set[str]] | None = None,
 ) -> DistkitError:
     """Why the directory ``path``, holding ``names`` and no manifest, is not a checkpoint distkit can
     load: another tool's checkpoint, a distkit save that did not finish, or something else (issue 28:
     only the second is "a save that did not finish"). ``run_checkpoints``: the path and names of its
-    ``checkpoints`` sub-directory, when it has one (a Trainer run's ``default_root_dir``)."""
+    ``checkpoints`` sub-directory, when it has one (a Trainer run's ``default_root_dir``);
+    ``complete(directory, name)``: whether the sub-directory ``name`` of ``directory`` holds a
+    manifest."""
     layout = _identify_directory(names)
     if layout is not None:
         return layout.error(path)
@@ -246,9 +264,12 @@ def _without_manifest(
         return CheckpointCorruptError(
             path, f"it is an empty directory, with no {_MANIFEST_FILE}: nothing was saved in it"
         )
-    manager = _manager_directory(path, names)
+    manager = _manager_directory(path, names, complete=lambda name: complete(path, name))
     if manager is None and run_checkpoints is not None:
-        manager = _manager_directory(*run_checkpoints, run=(path, names))
+        inner = run_checkpoints[0]
+        manager = _manager_directory(
+            *run_checkpoints, complete=lambda name: complete(inner, name), run=(path, names)
+        )
     if manager is not None:
         return manager
     if _looks_unfinished(names):
