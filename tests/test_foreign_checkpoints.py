@@ -392,6 +392,38 @@ def test_a_lightning_ckpt_with_objects_weights_only_refuses_names_them_and_the_w
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "text"])
+def test_a_damaged_or_foreign_file_to_import_is_named_as_such_not_as_unsafe(
+    tmp_path: Path, damage: str
+) -> None:
+    """Was: a truncated .ckpt gave miniz's RuntimeError and a text file `KeyError: 101`, each as a
+    traceback from torch; random bytes were called "objects that weights_only does not allow",
+    with advice to load the file with weights_only=False."""
+    model, optimizer = trained()
+    whole = tmp_path / "whole.ckpt"
+    write_lightning(whole, model, optimizer)
+    source = tmp_path / "last.ckpt"
+    if damage == "truncated":
+        source.write_bytes(whole.read_bytes()[:3000])  # a copy that did not finish
+    elif damage == "random bytes":
+        source.write_bytes(random.Random(0).randbytes(4096))
+    else:
+        source.write_text("hello\n")
+    with pytest.raises(distkit.DistkitError) as caught:
+        distkit.import_checkpoint(source, tmp_path / "out")
+    message = str(caught.value)
+    assert message.startswith(
+        f"cannot read {source} (read as a Lightning checkpoint): it is not a complete file written by "
+        f"torch.save (truncated, damaged, or another kind of file; torch.load says "
+    ), message
+    assert "Copy it again from where it was saved" in message, message
+    assert "weights_only=False" not in message and "does not allow" not in message, message
+    assert not (tmp_path / "out").exists()
+    done = distkit_command("checkpoint", "import", str(source), str(tmp_path / "out"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "it is not a complete file written by torch.save" in done.stderr, done.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # What a path that is not a distkit checkpoint is said to be
 

@@ -151,22 +151,35 @@ class _Converted:
 # Reading files safely: weights_only, regular files only.
 
 
+_UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
 def _load_weights_only(file: str, what: str, hint: str = "") -> Any:
     mode = os.stat(file).st_mode
     if not stat.S_ISREG(mode):
         raise DistkitError(f"{file} ({what}) is not a regular file; distkit reads regular files only.")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
+    except Exception as err:
         try:
             refused = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-        except Exception:  # the scan is a courtesy; the refusal stands either way
+        except Exception:  # not a torch.save file at all, or a damaged one: nothing to scan
             refused = []
-        shown = ", ".join(refused[:6]) or str(err).splitlines()[0]
+        # The scan reads the zip format only; torch's message names a global of the older format.
+        refused = refused or _UNSAFE_GLOBAL.findall(str(err))
+        if isinstance(err, pickle.UnpicklingError) and refused:
+            raise DistkitError(
+                f"refused to load {file} ({what}): it holds objects that torch.load(weights_only=True) "
+                f"does not allow ({', '.join(refused[:6])}). distkit never unpickles arbitrary objects, "
+                f"because unpickling can run code.{hint}"
+            ) from err
+        # Truncated (a copy that did not finish), damaged, or another kind of file: torch's own
+        # words (a KeyError of a byte, miniz's "central directory") name neither.
+        said = re.split(r"(?<=\.)\s", str(err).strip(), maxsplit=1)[0][:160] or "(no message)"
         raise DistkitError(
-            f"refused to load {file} ({what}): it holds objects that torch.load(weights_only=True) does "
-            f"not allow ({shown}). distkit never unpickles arbitrary objects, because unpickling can "
-            f"run code.{hint}"
+            f"cannot read {file} (read as {what}): it is not a complete file written by torch.save "
+            f"(truncated, damaged, or another kind of file; torch.load says {type(err).__name__}: "
+            f"{said}). Copy it again from where it was saved, or pass the checkpoint it belongs to."
         ) from err
 
 
