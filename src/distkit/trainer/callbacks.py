@@ -497,9 +497,10 @@ class LearningRateMonitor(Callback):
 class ThroughputMonitor(Callback):
     """Log training throughput at every logging step: ``samples_per_s`` (whole job) and ``steps_per_s``.
 
-    Local: measured on each rank over the optimizer steps since the previous logging step (time
-    spent in validation and checkpoints between epochs is not counted); the loggers write the main
-    process's figures. Samples are ``steps x effective batch size``.
+    Local: measured on each rank over the optimizer steps since the previous logging step. Time
+    spent in validation is not counted, mid-epoch (``val_check_interval``) or between epochs, nor
+    are the checkpoints saved between epochs: the step whose interval holds a validation is left
+    out. The loggers write the main process's figures. Samples are ``steps x effective batch size``.
 
     Example:
         >>> import distkit
@@ -508,19 +509,26 @@ class ThroughputMonitor(Callback):
     """
 
     def __init__(self) -> None:
-        self._start = 0.0
+        self._last = 0.0  # when the step now running started: the previous step's end
+        self._seconds = 0.0
         self._steps = 0
+        self._validated = False  # a validation ran since the previous step's end
 
     def on_train_epoch_start(self, trainer: TrainerView) -> None:
-        self._start, self._steps = time.perf_counter(), 0
+        self._last, self._validated = time.perf_counter(), False
 
     def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
-        self._steps += 1
+        now = time.perf_counter()
+        if not self._validated:
+            self._seconds += now - self._last
+            self._steps += 1
+        self._last, self._validated = now, False
+
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
+        self._validated = True
 
     def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
-        now = time.perf_counter()
-        elapsed = now - self._start
-        if self._steps and elapsed > 0:
-            metrics["steps_per_s"] = self._steps / elapsed
-            metrics["samples_per_s"] = self._steps * trainer.effective_batch_size / elapsed
-        self._start, self._steps = now, 0
+        if self._steps and self._seconds > 0:
+            metrics["steps_per_s"] = self._steps / self._seconds
+            metrics["samples_per_s"] = self._steps * trainer.effective_batch_size / self._seconds
+        self._seconds, self._steps = 0.0, 0
