@@ -23,7 +23,8 @@ py=${PYTHON:-python3}
 export PYTHONPATH=src:tests${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 # distkit's pytest plugin (the `ranks` fixture) is registered by its entry point once distkit is
-# installed; from src/ it must be named, and naming it twice is an error.
+# installed; from src/ it must be named. Its entry point has the module's name, so naming it again
+# is a no-op; an install older than that named it `distkit`, and then naming it is an error.
 plugin=(-p distkit.testing.plugin)
 if "$py" -c "import sys
 from importlib.metadata import entry_points

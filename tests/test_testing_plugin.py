@@ -175,6 +175,32 @@ def test_pool_is_reused_across_calls_and_rebuilt_after_a_failure(ranks: Ranks) -
     assert not any(_alive(p) for p in first)
 
 
+def train_main_that_shuts_down(only_rank: int | None = None) -> float:
+    """A user's training entry point as it runs under torchrun, ending with its last line."""
+    distkit.init()  # already initialised in a pool rank: returns the same environment
+    value = all_reduce_rank()
+    if only_rank is None or dist.get_rank() == only_rank:
+        distkit.shutdown()
+    return value
+
+
+def test_a_call_that_shuts_the_group_down_passes_and_the_next_call_gets_new_ranks(ranks: Ranks) -> None:
+    """Was: the call passed and the next test, on the same pool, failed with "Default process group
+    has not been initialized", far from the cause."""
+    first = ranks.run(pid)
+    assert ranks.run(train_main_that_shuts_down) == [1.0, 1.0]
+    assert ranks.run(all_reduce_rank) == [1.0, 1.0]  # new ranks, in a group
+    assert set(ranks.run(pid)).isdisjoint(first)
+    assert not any(_alive(p) for p in first)
+    with pytest.raises(RankFailedError) as caught:  # on some ranks only: the ranks are out of step
+        ranks.run(train_main_that_shuts_down, 1)
+    assert str(caught.value).startswith(
+        "train_main_that_shuts_down() on 2 ranks returned, but ended the process group on rank(s) [1] "
+        "only (distkit.shutdown() or torch.distributed.destroy_process_group() ran there)"
+    ), caught.value
+    assert ranks.run(all_reduce_rank) == [1.0, 1.0]
+
+
 def test_pool_rank_that_died_while_idle_is_replaced_before_the_next_call(ranks: Ranks) -> None:
     first = ranks.run(pid)
     os.kill(first[1], signal.SIGKILL)
@@ -377,6 +403,26 @@ def test_pytest_skip_on_every_rank_skips_the_test(pytester: pytest.Pytester) -> 
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*no widgets on this rank*"])
+
+
+def test_naming_the_plugin_again_with_p_or_pytest_plugins_changes_nothing(pytester: pytest.Pytester) -> None:
+    """Was: `-p distkit.testing.plugin` or `pytest_plugins = [...]` naming it stopped pytest before
+    any test with "Plugin already registered under a different name" (its entry point was `distkit`)."""
+    pytester.makeconftest('pytest_plugins = ["distkit.testing.plugin"]')
+    pytester.makepyfile(
+        test_inner_named="""
+        def world():
+            import torch.distributed as dist
+            return dist.get_world_size()
+
+        def test_world(ranks):
+            assert ranks.run(world, world_size=2) == [2, 2]
+        """
+    )
+    pytester.runpytest("-p", "distkit.testing.plugin").assert_outcomes(passed=1)
+    off = pytester.runpytest("-p", "no:distkit.testing.plugin", "-p", "no:cacheprovider")
+    off.assert_outcomes(errors=1)  # the conftest's pytest_plugins is blocked too: no `ranks`
+    off.stdout.fnmatch_lines(["*fixture 'ranks' not found*"])
 
 
 def test_hung_rank_fails_only_its_test_with_every_rank_stack_and_next_test_passes(

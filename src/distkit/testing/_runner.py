@@ -336,6 +336,8 @@ class _Group:
         # False until every rank reported ready, and again after any failure: the group's
         # collectives may then be broken, so it is never reused.
         self.healthy = False
+        # False once a call ended the ranks' process group (they are healthy, but not joined).
+        self.reusable = True
         # Pools check after each task that no rank left an operation unmatched; the state of each
         # rank at the last point where they were known to be in step is the baseline.
         self.check_in_step = check_in_step
@@ -464,6 +466,9 @@ class _Group:
                 )
             if self.check_in_step:
                 self._check_in_step(name, outcomes)
+                # Every rank ended its group (distkit.shutdown() at the end of a training main):
+                # the call is fine, but the next one needs new ranks.
+                self.reusable = not any(_worker.LEFT in (o.state or {}) for o in outcomes)
             skipped = [o for o in outcomes if o.kind in ("skip", "xfail")]
             ok = True
             first_skip = min(skipped, key=lambda o: o.order) if skipped else None
@@ -492,6 +497,14 @@ class _Group:
         if not uneven:
             self._baseline = states
             return
+        if _worker.LEFT in uneven:
+            left = sorted(rank for rank, count in uneven[_worker.LEFT].items() if count)
+            raise RankFailedError(
+                f"{name}() on {self.world_size} ranks returned, but ended the process group on "
+                f"rank(s) {left} only (distkit.shutdown() or torch.distributed.destroy_process_group() "
+                f"ran there): the other ranks' next collective would wait for them forever. End the "
+                f"group on every rank, or on none.\nThe ranks were killed; the next call starts new ones."
+            )
         check_failures: list[RankFailure] = []
         if all(key[0] == "group" for key in uneven):
             check_id = secrets.randbelow(2**40) + 1  # W * id stays exact in float64
@@ -1028,7 +1041,7 @@ class RankPools:
         group = self._pools.get(key)
         # A rank may also have died while idle (the OOM killer, a stray signal); that is no
         # failure of the coming call, so such a pool is replaced quietly.
-        if group is not None and group.healthy and all(p.is_alive() for p in group.procs):
+        if group is not None and group.healthy and group.reusable and all(p.is_alive() for p in group.procs):
             return group
         if group is not None:
             group.stop()

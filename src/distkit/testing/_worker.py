@@ -68,9 +68,15 @@ _stack_file: TextIO | None = None
 # Group name -> how messages name it; a group's name and ranks never change.
 _group_labels: dict[str, str] = {}
 
-#: One rank's progress: ``("group", name, label)`` -> operations issued on that process group, and
-#: ``("distkit", kind)`` -> calls of distkit's store-based collectives of that kind.
+# Whether this rank joined its group for its pool (spec.init): a task that ends the group (a
+# training main()'s last line, distkit.shutdown()) then leaves a pool that cannot be reused.
+_pooled = False
+
+#: One rank's progress: ``("group", name, label)`` -> operations issued on that process group,
+#: ``("distkit", kind)`` -> calls of distkit's store-based collectives of that kind, and
+#: :data:`LEFT` -> 1 once a task ended the group the rank was started in.
 StepState = dict[tuple[str, ...], int]
+LEFT = ("pool", "left")
 
 
 def job_environ(
@@ -182,6 +188,8 @@ def step_state() -> StepState:
     if current is not None:
         for kind, count in current.counters.items():
             state[("distkit", kind)] = count
+    if _pooled and not dist.is_initialized():
+        state[LEFT] = 1
     return state
 
 
@@ -300,8 +308,10 @@ def _preload_own_forkserver() -> None:
 
 
 def _join(spec: WorkerSpec) -> None:
+    global _pooled
     if spec.init:
         runtime.init(spec.backend, timeout_s=runtime.DEFAULT_TIMEOUT_S)
+        _pooled = True
     # torch was imported before OMP_NUM_THREADS was set (forkserver preload), so apply it here.
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:

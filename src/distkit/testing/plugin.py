@@ -1,7 +1,8 @@
 """pytest plugin of distkit: the ``ranks`` fixture.
 
-pytest loads it through the ``pytest11`` entry point ``distkit``; disable it with
-``-p no:distkit``. The pools behind the fixture live for the test session and are stopped at its
+pytest loads it through the ``pytest11`` entry point ``distkit.testing.plugin`` (named as the
+module, so naming it again with ``-p`` or ``pytest_plugins`` changes nothing); disable it with
+``-p no:distkit.testing.plugin``. The pools behind the fixture live for the test session and are stopped at its
 end; each test gets a light handle on them.
 
 Example:
