@@ -454,3 +454,27 @@ def test_a_rank_that_cannot_write_its_shards_fails_the_save_on_every_rank_and_co
     assert async1.startswith("MainProcessError: [rank 1/2] saving checkpoint")
     assert "failed on rank(s) [1]" in async1
     assert listing0 == listing1 == "step_000000002"  # step 1 never committed, no staging left
+
+
+def test_shards_written_where_rank_0_cannot_see_them_are_refused_before_the_commit(tmp_path) -> None:
+    """Nodes that each see their own checkpoint directory (a node-local disk): before, rank 0
+    committed a manifest listing rank 1's shard, which is on rank 1's disk only, so every later
+    load skipped the checkpoint and resume="auto" started over. (Driven end to end with a second
+    torchrun agent in its own mount namespace; here, rank 0's side of that save.)"""
+    from distkit.checkpoint._sharded import _check_shards_here
+
+    staging = tmp_path / ".step_000000010.distkit-tmp-x"
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"0" * 8)
+    (staging / ".metadata").write_bytes(b"m")
+    outcomes = [
+        ({"__0_0.distcp": {"size": 8}, ".metadata": {"size": 1}}, None),
+        ({"__1_0.distcp": {"size": 8}}, None),
+    ]
+    _check_shards_here(str(staging), str(tmp_path / "step_000000010"), outcomes[:1])  # all here
+    with pytest.raises(distkit.DistkitError) as caught:
+        _check_shards_here(str(staging), str(tmp_path / "step_000000010"), outcomes)
+    message = str(caught.value)
+    assert "the shard files of rank(s) [1] (__1_0.distcp) are not in rank 0's staging directory" in message
+    assert "a filesystem every node mounts" in message and "Nothing was committed" in message, message
+    assert not staging.exists()  # rank 0's part is cleared

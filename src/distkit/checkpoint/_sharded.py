@@ -180,6 +180,38 @@ def _own_files(staging: str, mode: int) -> dict[str, dict[str, Any]]:
     return files
 
 
+def _check_shards_here(staging: str, target: str, outcomes: list[Any]) -> None:
+    """Rank 0: every rank's shard files are in ``staging`` as that rank wrote them, or nothing is
+    committed. Ranks on other hosts that each see their own ``target`` (a node-local disk, not a
+    filesystem every node mounts) wrote theirs where rank 0 cannot see them: committed, the
+    checkpoint would list files it does not hold, and every later load would skip it."""
+    unseen: dict[int, list[str]] = {}
+    for rank, (rank_files, _) in enumerate(outcomes):
+        for name, info in rank_files.items():
+            try:
+                size = os.stat(os.path.join(staging, name)).st_size
+            except OSError:
+                size = None
+            if size != info["size"]:
+                unseen.setdefault(rank, []).append(name)
+    if not unseen:
+        return
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+    ranks = sorted(unseen)
+    raise DistkitError(
+        f"{_label()} saving sharded checkpoint {redact_url(target)}: the shard files of rank(s) "
+        f"{ranks} ({', '.join(sorted(n for r in ranks for n in unseen[r])[:4])}) are not in rank 0's "
+        f"staging directory, so their hosts write to a directory of their own, not one rank 0 sees. "
+        f"A sharded checkpoint needs a directory on a filesystem every node mounts (NFS, Lustre, "
+        f"GPFS...): pass one as the checkpoint directory (the Trainer's: default_root_dir), and "
+        f"copy the committed checkpoints elsewhere afterwards if needed. Nothing was committed; the "
+        f"checkpoints saved before are untouched (rank(s) {ranks} left their files in "
+        f"{redact_url(staging)} on their own hosts)."
+    )
+
+
 class _ShardedSave:
     """One sharded save, as every rank sees it: started on the training thread, finished there (a
     synchronous save) or on a writer thread (``dcp.async_save``)."""
@@ -235,6 +267,7 @@ class _ShardedSave:
         every_file: dict[str, dict[str, Any]] = {}
         for rank_files, _ in outcomes:
             every_file.update(rank_files)
+        _check_shards_here(self.staging, self.target, outcomes)
         if self.guard is not None:
             self.guard()
         assert self.extras is not None
