@@ -1474,6 +1474,30 @@ def test_a_restore_failing_on_one_rank_raises_on_every_rank(tmp_path, ranks) -> 
     assert message1.startswith("could not restore state['model'] into Linear: Error(s) in loading")
 
 
+def restore_from_each_nodes_own_disk(root: str) -> str:
+    # Two nodes, each with a local disk at the same path: only rank 0's holds the checkpoints.
+    manager = distkit.CheckpointManager(f"{root}/node{distkit.get_rank()}", timeout_s=60)
+    try:
+        manager.restore({"model": nn.Linear(2, 2)})
+    except distkit.DistkitError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_find_no_checkpoint_where_rank_0_finds_one_are_told_the_directory_is_not_shared(
+    tmp_path, ranks
+) -> None:
+    """Was: "The directory changed while they read it; make sure no other job writes to it", for
+    nodes that each saw their own disk at the checkpoint path."""
+    save = distkit.CheckpointManager(tmp_path / "node0")
+    save.save(3, {"model": nn.Linear(2, 2)})
+    save.close()
+    for message in ranks.run(restore_from_each_nodes_own_disk, str(tmp_path), world_size=2, timeout_s=60):
+        assert "ranks restored different checkpoints from " in message, message
+        assert "{0: 3, 1: None} (rank: step). Rank(s) [1] found no checkpoint there at all" in message
+        assert "a filesystem every node mounts" in message and "changed while" not in message, message
+
+
 def late_rank_0_then_per_rank_saves(directory: str) -> tuple[str, int, str]:
     rank = distkit.get_rank()
     if rank == 0:

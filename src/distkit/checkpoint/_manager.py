@@ -561,10 +561,23 @@ class CheckpointManager:
             )
         chosen = [step for step, _ in outcomes]
         if len(set(chosen)) > 1:
+            none = [rank for rank, step in enumerate(chosen) if step is None]
+            why = (
+                "The directory changed while they read it; make sure no other job writes to it and "
+                "restore again."
+            )
+            if none:
+                # Not a race: a rank that finds nothing where another finds checkpoints reads
+                # another directory under the same path (its own node's disk).
+                why = (
+                    f"Rank(s) {none} found no checkpoint there at all: their hosts see a directory of "
+                    f"their own at that path (a node-local disk), not the one rank 0 saves to. Put the "
+                    f"checkpoint directory on a filesystem every node mounts (NFS, Lustre, GPFS...); "
+                    f"for the Trainer, pass such a default_root_dir."
+                )
             raise DistkitError(
                 f"{_label()} ranks restored different checkpoints from {redact_url(self.directory)}: "
-                f"{dict(enumerate(chosen))} (rank: step). The directory changed while they read it; "
-                f"make sure no other job writes to it and restore again."
+                f"{dict(enumerate(chosen))} (rank: step). {why}"
             )
         return restored
 

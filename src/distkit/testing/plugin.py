@@ -2,8 +2,8 @@
 
 pytest loads it through the ``pytest11`` entry point ``distkit.testing.plugin`` (named as the
 module, so naming it again with ``-p`` or ``pytest_plugins`` changes nothing); disable it with
-``-p no:distkit.testing.plugin``. The pools behind the fixture live for the test session and are stopped at its
-end; each test gets a light handle on them.
+``-p no:distkit.testing.plugin``. The pools behind the fixture live for the test session and are
+stopped at its end; each test gets a light handle on them.
 
 Example:
     >>> def all_reduce_one() -> float:  # doctest: +SKIP
