@@ -84,6 +84,33 @@ def test_init_waiting_for_a_rank_that_never_joins_names_it_and_gives_up_at_its_t
     assert not torch.distributed.is_initialized()
 
 
+def test_a_rank_whose_store_never_comes_up_is_told_nothing_listens_there(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Rank 1 alone: rank 0 never started. Was: "accepted the connection but did not answer ...
+    another program holds the port", though nothing ever listened there."""
+    port = _free_port()
+    for name, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
+        clean_env.setenv(name, value)
+    clean_env.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    with pytest.raises(distkit.DistkitError) as caught:
+        distkit.init(timeout_s=2)
+    message = str(caught.value)
+    assert message.startswith(
+        f"[rank 1/2] nothing listens at MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: no store came up there "
+        f"within 2 s. Rank 0 hosts it: check that rank 0 started"
+    ), message
+    assert "another program" not in message, message
+    assert time.monotonic() - start < 10
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_world_of_one_without_a_rendezvous_address_gets_no_process_group(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

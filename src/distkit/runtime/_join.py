@@ -191,12 +191,14 @@ def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
 
     thread = daemon.start(connect, "distkit-store-connect", timeout_s)  # see distkit._utils.daemon
     start = time.monotonic()
+    silent = False
     try:
         while thread.is_alive() and (waited := time.monotonic() - start) < timeout_s:
             thread.join(min(0.5, timeout_s - waited))
             # A refused connection is rank 0 not up yet: wait up to timeout_s. A port that accepts
             # and stays silent this long is not a store (a real one answers within milliseconds).
             if thread.is_alive() and time.monotonic() - start >= _SILENT_STORE_S and _accepts(env):
+                silent = True
                 break
     finally:
         daemon.abandon(thread)
@@ -204,6 +206,14 @@ def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
         return box["store"]  # type: ignore[no-any-return]
     if "error" in box:
         raise box["error"]
+    if not silent:
+        # torch's client was still retrying refused connections: nothing ever listened there.
+        raise DistkitError(
+            f"[rank {env.rank}/{env.world_size}] nothing listens at MASTER_ADDR={env.master_addr} "
+            f"MASTER_PORT={env.master_port}: no store came up there within {timeout_s:g} s. Rank 0 "
+            f"hosts it: check that rank 0 started (and did not fail first: its own output says why), "
+            f"and that every rank was given rank 0's host as MASTER_ADDR and the same MASTER_PORT."
+        )
     raise DistkitError(
         f"[rank {env.rank}/{env.world_size}] MASTER_PORT={env.master_port} on {env.master_addr} "
         f"accepted the connection but did not answer as a torch.distributed store within "
