@@ -340,7 +340,7 @@ class _AsksFor(nn.Module):
     ("name", "instead"),
     [
         ("log", r"return the values instead: training_step's dict beside 'loss'"),
-        ("trainer", r"a Callback's hooks get the Trainer"),
+        ("trainer", r"a Callback's hooks get the Trainer \(on_train_step_end\(trainer, loss\)\)"),
         ("device", r"next\(self\.parameters\(\)\)\.device"),
         ("log_dict", r"return the values instead"),
     ],
@@ -355,6 +355,42 @@ def test_a_lightningmodule_member_the_model_asks_for_is_named_with_what_to_use(
         )
     with pytest.raises(AttributeError, match=expected):
         _trainer(tmp_path).validate(_AsksFor(name), _data())
+
+
+class _LightningCounter(Callback):
+    def on_train_batch_end(self, trainer: TrainerView, *args: Any) -> None:
+        raise AssertionError("never called")
+
+
+class _MisspeltHook(Callback):
+    def on_fit_ends(self, trainer: TrainerView) -> None:
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(
+    ("callback", "said"),
+    [
+        (
+            _LightningCounter(),
+            "callback _LightningCounter defines on_train_batch_end(), which distkit's Trainer never "
+            "calls (Lightning's name; here it is on_train_step_end(trainer, loss), after every optimizer "
+            "step). The Trainer's hooks: on_fit_start, ",
+        ),
+        (
+            _MisspeltHook(),
+            "callback _MisspeltHook defines on_fit_ends(), which distkit's Trainer never calls (did "
+            "you mean on_fit_end?)",
+        ),
+    ],
+)
+def test_a_callback_method_the_trainer_never_calls_is_refused_naming_the_hook_meant(
+    tmp_path: Path, callback: Callback, said: str
+) -> None:
+    """Was: the method never ran, without a word (a Lightning port's step counter stayed at 0)."""
+    with pytest.raises(TypeError) as caught:
+        _trainer(tmp_path, max_steps=1, callbacks=[callback])
+    assert str(caught.value).startswith(said), caught.value
+    assert "Rename the method (a helper of your own" in str(caught.value)
 
 
 def test_an_attribute_no_lightningmodule_has_gets_no_note(tmp_path: Path) -> None:

@@ -167,6 +167,38 @@ class Callback:
         """Restore what :meth:`state_dict` returned. Local."""
 
 
+# The hooks the Trainer calls: every other on_* method of a callback would never run.
+_HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+# Lightning's callback hooks that are named otherwise here, or have no counterpart.
+_LIGHTNING_HOOKS = {
+    "on_train_batch_end": "on_train_step_end(trainer, loss), after every optimizer step",
+    "on_train_batch_start": "on_train_step_end of the step before, or on_train_epoch_start",
+    "on_train_start": "on_fit_start(trainer)",
+    "on_train_end": "on_fit_end(trainer)",
+    "on_validation_epoch_end": "on_validation_end(trainer, metrics), with the exact val_* metrics",
+    "on_save_checkpoint": "state_dict(self), whose result the checkpoints carry",
+    "on_load_checkpoint": "load_state_dict(self, state)",
+}
+
+
+def check_hooks(callback: Callback) -> None:
+    """Refuse a callback with an ``on_*`` method the Trainer never calls (Lightning's
+    ``on_train_batch_end``, a misspelt ``on_fit_ends``): it would never run, in silence."""
+    for name in sorted(dir(type(callback))):
+        if not name.startswith("on_") or name in _HOOKS or not callable(getattr(callback, name, None)):
+            continue
+        if name in _LIGHTNING_HOOKS:
+            instead = f"Lightning's name; here it is {_LIGHTNING_HOOKS[name]}"
+        else:
+            close = difflib.get_close_matches(name, _HOOKS, n=1)
+            instead = f"did you mean {close[0]}?" if close else "no hook of the Trainer has that name"
+        raise TypeError(
+            f"callback {type(callback).__name__} defines {name}(), which distkit's Trainer never calls "
+            f"({instead}). The Trainer's hooks: {', '.join(_HOOKS)}, and state_dict/load_state_dict. "
+            f"Rename the method (a helper of your own: give it a name that does not start with on_)."
+        )
+
+
 # Lightning's ModelCheckpoint names, and what they are here.
 _CHECKPOINT_MEANT = {
     "save_top_k": "keep_best=k (the best k by monitor=), beside keep_last=n (the newest n)",

@@ -384,7 +384,7 @@ _LIGHTNING_HAS = {
     "log": "return the values instead: training_step's dict beside 'loss' ({'loss': loss, "
     "'train_acc': acc}), validation_step's dict of metrics; the Trainer logs them, reduced over "
     "the ranks",
-    "trainer": "a Callback's hooks get the Trainer (on_train_batch_end(trainer, ...)); the model "
+    "trainer": "a Callback's hooks get the Trainer (on_train_step_end(trainer, loss)); the model "
     "does not hold it",
     "device": "use the batch's device, or next(self.parameters()).device",
     "print": "distkit.rank_zero_print(...) prints once",

@@ -33,7 +33,7 @@ from distkit.trainer._loop.state import (
 )
 from distkit.trainer._loop.step import _StepModule
 from distkit.trainer._run import Options, Run, checkpoint_callback
-from distkit.trainer.callbacks import Callback, ModelCheckpoint
+from distkit.trainer.callbacks import Callback, ModelCheckpoint, check_hooks
 from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger
 from distkit.trainer.precision import Precision
@@ -670,6 +670,7 @@ def callback_list(callbacks: Any, enable_checkpointing: bool) -> list[Callback]:
     for cb in given:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks must be distkit.Callback objects, got {_what(cb)}.")
+        check_hooks(cb)
     checkpoints = [cb for cb in given if isinstance(cb, ModelCheckpoint)]
     if len(checkpoints) > 1:
         # fit() sets up, resumes from and feeds one; a second would fail at its first save.
