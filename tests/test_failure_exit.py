@@ -544,3 +544,21 @@ def test_a_rank_of_distkits_own_process_is_shown_at_distkits_line_not_at_string_
     user = compile("distkit.barrier()", "train.py", "exec")
     where = _hang_where.locate([frames[0], (user, 1, None)])  # type: ignore[arg-type]
     assert where.file == "train.py" and not where.internal, where
+
+
+def test_a_waiting_ranks_error_file_shows_its_message_in_torchruns_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: torchrun's summary printed `traceback :` and nothing after it for a rank that only waited
+    (a multi-node job's surviving node), because its error file held an empty py_callstack."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from distkit._doctor.doctor import write_elastic_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    message = "[rank 0/2] only waited for the rank that failed. rank 1 died: its process exited"
+    write_elastic_error(message, "", 1_700_000_000)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=125, error_file=str(error_file))
+    summary = ChildFailedError("train.py", {0: failure}).format_msg()
+    assert f"traceback : {message}" in summary, summary

@@ -351,9 +351,9 @@ def write_elastic_error(message: str, callstack: str, timestamp: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
-    data = {
-        "message": {"message": message, "extraInfo": {"py_callstack": callstack, "timestamp": str(timestamp)}}
-    }
+    # torchrun's summary shows py_callstack, else the message: an empty one would show nothing.
+    extra = {"py_callstack": callstack} if callstack else {}
+    data = {"message": {"message": message, "extraInfo": {**extra, "timestamp": str(timestamp)}}}
     with contextlib.suppress(OSError):
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
@@ -784,16 +784,18 @@ class Doctor:
                 self._follow(store, None, claimed=True)  # another rank reports
             answered, code, cause, raised = self._report(store, header, local)
         except Exception as err:
-            # A collective that failed because a peer ended, and no store to ask through: the rank
-            # that hosted it (rank 0 without torchrun's agent) has ended, so it failed first.
+            # A collective that failed because a peer ended, and no store to ask through: what
+            # hosted it (rank 0, or under torchrun the agent of a node) has ended, so it failed first.
             code = PEER_FAILED_EXIT_CODE if local.get("kind") == "failed" else HANG_EXIT_CODE
             place = _hang_report.location_text(local)
-            gone = (
-                " (the rank that hosted the job's store, rank 0 without torchrun, has ended: it failed "
-                "first, and its own output says why)"
-                if code == PEER_FAILED_EXIT_CODE
-                else ""
+            host = (
+                "the torchrun agent that hosted the job's store has ended (a worker on its node failed "
+                "or was killed first: that node's output says why)"
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                else "the rank that hosted the job's store, rank 0, has ended: it failed first, and its "
+                "own output says why"
             )
+            gone = f" ({host})" if code == PEER_FAILED_EXIT_CODE else ""
             _print(
                 f"{self.label} distkit: the hang doctor could not ask the other ranks where they are "
                 f"({_first_line(err)}){gone}. This rank {_hang_report.doing_text(local)}"
