@@ -206,8 +206,8 @@ def _connect_client(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
         return box["store"]  # type: ignore[no-any-return]
     if "error" in box:
         raise box["error"]
-    if not silent:
-        # torch's client was still retrying refused connections: nothing ever listened there.
+    if not silent and not _accepts(env):
+        # torch's client was still retrying refused connections: nothing listens there.
         raise DistkitError(
             f"[rank {env.rank}/{env.world_size}] nothing listens at MASTER_ADDR={env.master_addr} "
             f"MASTER_PORT={env.master_port}: no store came up there within {timeout_s:g} s. Rank 0 "
