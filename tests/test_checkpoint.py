@@ -474,6 +474,26 @@ def test_restore_falls_back_past_a_damaged_checkpoint_and_returns_none_when_noth
     assert torch.equal(state["w"], torch.full((50,), 10.0))
 
 
+def test_retention_never_counts_a_checkpoint_that_failed_its_checksums_among_the_newest(tmp_path) -> None:
+    """Was: a resume skipped the newest (a bit flip), and the next save's keep_last=2 then deleted
+    the step it had restored and kept the damaged one: one usable checkpoint left, not two."""
+    with distkit.CheckpointManager(tmp_path, keep_last=2) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": torch.full((50,), float(step))})
+    damage_one_byte(tmp_path / "step_000000003" / "state.pt")  # same size: retention checks sizes only
+    state = {"w": torch.zeros(50)}
+    with distkit.CheckpointManager(tmp_path, keep_last=2) as manager:
+        with pytest.warns(UserWarning, match=r"skipping corrupt checkpoint .*step_000000003"):
+            assert manager.restore(state) == 2
+        with pytest.warns(UserWarning, match=r"retention keeps .*step_000000003: its checksums failed"):
+            manager.save(4, state)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_000000002",  # two usable: the one restored and the new one
+        "step_000000003",  # kept (never deleted), but not counted
+        "step_000000004",
+    ]
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_retention_keeps_the_newest_and_the_best_and_deletes_only_after_the_commit(
     recording_root, async_save

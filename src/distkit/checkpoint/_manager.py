@@ -591,6 +591,7 @@ class CheckpointManager:
             except FileNotFoundError:
                 continue  # deleted since the listing
             except CheckpointCorruptError as err:
+                self._dir.corrupt[entry.path] = err.reason
                 warnings.warn(
                     f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,

@@ -49,6 +49,9 @@ class _StepDirectory:
     directory: str
     # Checkpoints retention keeps although it would delete them: warned about once each.
     kept_warned: set[str] = field(default_factory=set)
+    # Checkpoints whose checksums failed when this manager read them (restore, latest) -> why:
+    # retention checks sizes only, so a bit flip would pass it and count among the newest.
+    corrupt: dict[str, str] = field(default_factory=dict)
 
     def entries(self) -> list[_Entry]:
         entries = []
@@ -103,6 +106,7 @@ class _StepDirectory:
             except FileNotFoundError:
                 continue  # deleted since the listing (retention of the writer): not damage
             except CheckpointCorruptError as err:
+                self.corrupt[entry.path] = err.reason
                 warnings.warn(
                     f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,
@@ -161,6 +165,10 @@ class _StepDirectory:
                     )
             elif entry.step == just_saved:
                 valid.append(entry)  # committed a moment ago by this process
+            elif entry.path in self.corrupt:
+                # Neither counted among the newest (a resume skips it, so keeping it in their
+                # place would leave fewer usable ones) nor deleted (it may still be repaired).
+                self.warn_kept(entry, f"its checksums failed when it was read ({self.corrupt[entry.path]})")
             else:
                 try:
                     manifest = _verify(self.storage, entry.path, checksums=False)
