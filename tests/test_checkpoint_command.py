@@ -261,6 +261,20 @@ def test_list_of_one_checkpoint_exits_1_and_names_inspect(
     assert f"{tmp_path / 'one'} is one checkpoint, not a directory of them: `distkit checkpoint" in err
 
 
+def test_list_of_a_trainer_run_directory_lists_its_checkpoints_subdirectory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    with distkit.CheckpointManager(run / "checkpoints") as manager:
+        manager.save(7, {"w": torch.zeros(2)})
+    (run / "metrics.csv").write_text("step\n")
+    code, out, err = run_main(capsys, "checkpoint", "list", str(run))
+    # Was: "no checkpoints in run" and exit status 0.
+    assert code == 0, err
+    assert f"{run} is a Trainer run directory; listing its checkpoints, in {run / 'checkpoints'}:" in err
+    assert re.match(r"\s+7  committed  full", out), out
+
+
 def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
     assert code == 0, err

@@ -22,7 +22,7 @@ from typing import Any
 
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
-from distkit.checkpoint._files import _storage_for, _verify
+from distkit.checkpoint._files import _join, _storage_for, _verify
 from distkit.checkpoint._format import _MANIFEST_FILE, _imported_from, _is_sharded_manifest
 from distkit.checkpoint._retention import _mislabeled, _StepDirectory
 from distkit.errors import DistkitError
@@ -107,8 +107,18 @@ def _list(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    entries = _StepDirectory(storage, directory).entries()
+    inner = _join(directory, "checkpoints")
+    if not entries and storage.kind(inner) == "dir" and _StepDirectory(storage, inner).entries():
+        # A Trainer run's default_root_dir: its checkpoints are in its checkpoints/ sub-directory.
+        print(
+            f"distkit checkpoint: {redact_url(directory)} is a Trainer run directory; listing its "
+            f"checkpoints, in {redact_url(inner)}:",
+            file=sys.stderr,
+        )
+        return _list(argparse.Namespace(**{**vars(args), "directory": inner}))
     rows = []
-    for entry in _StepDirectory(storage, directory).entries():
+    for entry in entries:
         row: dict[str, Any] = {"step": entry.step, "path": redact_url(entry.path)}
         if entry.leftover:
             row["status"] = "leftover of a killed save or delete"
