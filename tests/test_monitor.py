@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import types
@@ -247,6 +248,16 @@ def test_throughput_first_update_only_marks_time_and_warmup_is_left_out() -> Non
     stats = meter.compute()
     assert meter.steps == 3 and stats["steps"] == 3.0 and stats["samples"] == 24.0
     assert stats["samples_per_s"] == pytest.approx(24 / sum(times[2:]))
+
+
+def test_throughput_with_every_step_in_warmup_says_why_its_figures_are_nan() -> None:
+    meter = distkit.ThroughputMeter(warmup_steps=10)  # more than the steps this run takes
+    meter.start()
+    for _ in range(3):
+        meter.update(8)
+    with pytest.warns(UserWarning, match=r"the 3 step\(s\) timed here were all warm-up \(warmup_steps=10\)"):
+        stats = meter.compute()
+    assert stats["steps"] == 0.0 and math.isnan(stats["samples_per_s"])
 
 
 def test_throughput_window_keeps_the_most_recent_steps_and_reset_starts_over() -> None:

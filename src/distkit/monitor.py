@@ -587,6 +587,14 @@ class ThroughputMeter:
         longest = max(float(part[:, 0].sum()) for part in per_rank)
         steps = float(max(part.shape[0] for part in per_rank))
         if everything.shape[0] == 0:
+            if self._warmup_left < self.warmup_steps:  # steps were timed, but all as warm-up
+                warnings.warn(
+                    f"ThroughputMeter.compute(): no step measured on any rank: the "
+                    f"{self.warmup_steps - self._warmup_left} step(s) timed here were all warm-up "
+                    f"(warmup_steps={self.warmup_steps}), so every figure is nan. Lower warmup_steps "
+                    f"below the number of steps, or call compute() later.",
+                    stacklevel=2,
+                )
             nan = math.nan
             return {
                 "samples_per_s": nan,
