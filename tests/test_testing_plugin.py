@@ -351,6 +351,14 @@ def test_lambdas_closures_and_conflicting_options_are_rejected_with_the_fix(rank
         ranks.run(pid, env={"A": "1"})
     with pytest.raises(ValueError, match="world_size must be an int >= 1"):
         ranks.run(pid, world_size=0)
+    # A slip of an option would go to fn (silently into a **kwargs) and the option keep its default.
+    with pytest.raises(
+        TypeError, match=r"run\(\) got world_sise=, which .*pid does not name: did you mean world_size=\?"
+    ):
+        ranks.run(pid, world_sise=3)
+    with pytest.raises(TypeError, match=r"did you mean timeout_s=\?"):
+        ranks.run(rank_times, 1, timeout=5)
+    assert ranks.run(rank_times, 10, offset=1) == [1, 11]  # fn's own keywords still go to fn
 
 
 def test_nccl_without_enough_gpus_skips_with_a_reason(ranks: Ranks) -> None:

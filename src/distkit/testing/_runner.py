@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import inspect
 import multiprocessing as mp
 import os
@@ -296,6 +297,26 @@ def _check_options(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
             raise ValueError(f"env must map str to str, got {env!r}.")
+
+
+_RUN_OPTIONS = ("world_size", "backend", "timeout_s", "fresh", "init", "env")
+
+
+def _check_option_slips(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword that is a slip of one of run()'s own options (``world_sise=2``) and that
+    ``fn`` does not name: it would go to ``fn`` (silently, into a ``**kwargs``) and the option
+    would keep its default."""
+    try:
+        named = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
+        named = set()
+    for key in kwargs:
+        close = difflib.get_close_matches(key, _RUN_OPTIONS, n=1, cutoff=0.75)
+        if close and key not in named:
+            raise TypeError(
+                f"run() got {key}=, which {_describe_fn(fn)} does not name: did you mean {close[0]}=? "
+                f"run()'s own options are {', '.join(_RUN_OPTIONS)}; other keyword arguments go to fn."
+            )
 
 
 def _skip_without_gpus(backend: str, world_size: int) -> None:
@@ -958,6 +979,7 @@ class RankPools:
         """
         __tracebackhide__ = True  # pytest: show the test, not this plumbing
         _check_options(world_size, backend, timeout_s, fresh, init, env)
+        _check_option_slips(fn, kwargs)
         _skip_without_gpus(backend, world_size)
         payload = _pickle_task(fn, args, kwargs)
         name = getattr(fn, "__qualname__", None) or repr(fn)
