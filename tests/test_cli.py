@@ -76,6 +76,11 @@ def test_env_sees_a_torchrun_style_job_and_warns_about_its_settings(plain_env: p
         assert "OMP_NUM_THREADS is unset" in messages
     assert any("TORCH_DISTRIBUTED_DEBUG=DETAIL" in p["message"] for p in report["problems"])
     assert all(p["level"] == "warning" for p in report["problems"])
+    plain_env.setenv("OMP_NUM_THREADS", "abc")  # was: "problems: none"
+    messages = [p["message"] for p in collect_env()["problems"]]
+    assert any(
+        m.startswith("OMP_NUM_THREADS='abc' is not a positive integer, so it is ignored") for m in messages
+    )
 
 
 def test_env_exits_1_and_names_the_variable_when_the_launcher_variables_are_wrong(
@@ -273,6 +278,22 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 2
     assert (
         "--repeats must be >= 3 (an interval needs at least 3 repetitions), got 2" in capsys.readouterr().err
+    )
+    for value in ("0", "-5"):  # was accepted, then every run "did not finish within -5 s"
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "--timeout-s", value])
+        assert info.value.code == 2
+        assert f"--timeout-s must be > 0 (seconds), got {value}" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "results"
+    taken.write_text("")
+    assert main(["bench", "--no-progress", "--out", str(taken)]) == 1
+    # Was: "[Errno 17] File exists: '.../results'", naming no option.
+    assert (
+        capsys.readouterr().err
+        == f"distkit bench: error: --out {taken} is a file: pass a directory, new or existing.\n"
     )
 
 

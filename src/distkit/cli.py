@@ -185,6 +185,13 @@ def collect_env() -> dict[str, Any]:
             f"is unset, so each may start a thread per core; set OMP_NUM_THREADS to cores / processes "
             f"(torchrun sets 1)."
         )
+    threads = environ.get("OMP_NUM_THREADS")
+    if threads and not (threads.strip().isdigit() and int(threads) > 0):
+        # The OpenMP runtime ignores it (with a line of its own) and starts a thread per core.
+        warn(
+            f"OMP_NUM_THREADS={threads!r} is not a positive integer, so it is ignored and each process "
+            f"may start a thread per core; set it to a number such as cores / processes."
+        )
     if (environ.get("TORCH_DISTRIBUTED_DEBUG") or "").upper() == "DETAIL":
         warn(
             "TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective and slows training; "
@@ -516,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     if args.command == "bench" and not args.min_time_s >= 0:
         command.error(f"--min-time-s must be >= 0, got {args.min_time_s}")
+    if args.command == "bench" and not args.timeout_s > 0:
+        command.error(f"--timeout-s must be > 0 (seconds), got {args.timeout_s:g}")
     if args.command == "bench" and args.repeats < 3:
         command.error(
             f"--repeats must be >= 3 (an interval needs at least 3 repetitions), got {args.repeats}"

@@ -23,6 +23,7 @@ import torch
 from distkit.bench import _load, report, runner
 from distkit.bench.profile import CommOption, CommProfile, ScalingPrediction, ScalingProfile, profile_scaling
 from distkit.bench.workloads import load_workload
+from distkit.errors import DistkitError
 
 # Values of CI that mean "running in CI" (GitHub Actions, GitLab, Travis and others set CI=true).
 _CI_TRUE = {"1", "true", "yes", "on"}
@@ -163,7 +164,11 @@ def _finish(
 def run_bench(args: argparse.Namespace) -> int:
     """``distkit bench`` without ``--profile``."""
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file at --out, a read-only place: name the option, not just the errno
+        what = "is a file" if out.is_file() else f"cannot be made ({err.strerror})"
+        raise DistkitError(f"--out {args.out} {what}: pass a directory, new or existing.") from err
     world_sizes = args.world_sizes or default_world_sizes()
     if args.profile:
         return run_profile(args, out)
