@@ -275,6 +275,17 @@ def test_list_of_a_trainer_run_directory_lists_its_checkpoints_subdirectory(
     assert re.match(r"\s+7  committed  full", out), out
 
 
+def test_a_memory_url_from_the_command_and_a_file_url_a_slash_short_are_explained(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_main(capsys, "checkpoint", "list", "memory://elsewhere/ckpts")
+    assert code == 1 and "memory:// lives inside one process" in err, err
+    # Was: "tmp/run does not exist", read as a path relative to the working directory.
+    code, _, err = run_main(capsys, "checkpoint", "list", "file://tmp/run")
+    assert code == 1, err
+    assert "a file:// URL of an absolute path has three slashes (file:///tmp/run)" in err, err
+
+
 def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
     assert code == 0, err

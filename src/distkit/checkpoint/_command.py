@@ -22,7 +22,7 @@ from typing import Any
 
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._errors import CheckpointCorruptError
-from distkit.checkpoint._files import _join, _storage_for, _verify
+from distkit.checkpoint._files import _join, _missing_hint, _storage_for, _verify
 from distkit.checkpoint._format import _MANIFEST_FILE, _imported_from, _is_sharded_manifest
 from distkit.checkpoint._retention import _mislabeled, _StepDirectory
 from distkit.errors import DistkitError
@@ -96,7 +96,7 @@ def _list(args: argparse.Namespace) -> int:
         what = "does not exist" if kind is None else "is a file, not a directory of checkpoints"
         print(
             f"distkit checkpoint: error: {redact_url(directory)} {what}. Pass the directory of a "
-            f"CheckpointManager (the one that holds its step_<N> directories).",
+            f"CheckpointManager (the one that holds its step_<N> directories).{_missing_hint(directory)}",
             file=sys.stderr,
         )
         return 1

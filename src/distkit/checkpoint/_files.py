@@ -501,10 +501,27 @@ class _RemoteStorage:
 _Storage = _LocalStorage | _RemoteStorage
 
 
+def _missing_hint(path: str) -> str:
+    """What to add when ``path`` does not exist and its kind of storage explains why."""
+    if path.startswith("memory://"):
+        return (
+            " memory:// lives inside one process: what another process saved there (a training job, "
+            "a `distkit checkpoint` command) ended with it."
+        )
+    return ""
+
+
 def _storage_for(path: str | os.PathLike[str]) -> tuple[_Storage, str]:
     text = os.fsdecode(os.fspath(path))  # bytes too
     if text.startswith("file://"):
         text = text[len("file://") :]
+        if not text.startswith(("/", "./", "../", "~")):
+            # file://tmp/ckpt reads as the relative path tmp/ckpt (or a host named tmp): a slash short.
+            raise ValueError(
+                f"{redact_url(os.fsdecode(os.fspath(path)))}: a file:// URL of an absolute path has three "
+                f"slashes (file:///{text}); without the third, {text.split('/', 1)[0]!r} reads as a host "
+                f"or a relative directory. Pass file:///{text}, or the path itself ({'/' + text})."
+            )
     if "://" not in text:
         # "~/runs" as a shell would read it: not a directory named "~" in the working directory.
         return _LocalStorage(), os.path.expanduser(text)
@@ -577,7 +594,7 @@ def _read_manifest(storage: _Storage, path: str) -> dict[str, Any]:
             errno.ENOENT,
             f"checkpoint not found: {redact_url(path)} does not exist. Check the path: `distkit "
             f"checkpoint list <directory>` lists a directory's checkpoints, and "
-            f"CheckpointManager(directory).latest() gives the newest.",
+            f"CheckpointManager(directory).latest() gives the newest.{_missing_hint(path)}",
         )
     if kind == "file":
         layout = _identify_file(path) if isinstance(storage, _LocalStorage) else None

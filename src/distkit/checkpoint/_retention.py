@@ -168,7 +168,7 @@ class _StepDirectory:
             elif entry.path in self.corrupt:
                 # Neither counted among the newest (a resume skips it, so keeping it in their
                 # place would leave fewer usable ones) nor deleted (it may still be repaired).
-                self.warn_kept(entry, f"its checksums failed when it was read ({self.corrupt[entry.path]})")
+                self.warn_kept(entry, f"it cannot be read ({self.corrupt[entry.path]})")
             else:
                 try:
                     manifest = _verify(self.storage, entry.path, checksums=False)
