@@ -116,6 +116,18 @@ def test_slurm_batch_script_without_srun_is_one_process_when_step_says_so() -> N
     assert env.world_size == 1 and env.master_addr is None
 
 
+def test_slurm_errors_name_the_job_steps_variables_when_those_were_read() -> None:
+    """Was: "(SLURM_NTASKS=1)" for a value read from SLURM_STEP_NUM_TASKS, and SLURM_NTASKS_PER_NODE
+    for one read from SLURM_STEP_TASKS_PER_NODE."""
+    base = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "a"}
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=1 is outside 0\.\.0 \(SLURM_STEP_NUM_TASKS=1\)"):
+        detect_env({**base, "SLURM_STEP_NUM_TASKS": "1"})
+    with pytest.raises(ValueError, match=r"SLURM_STEP_TASKS_PER_NODE=8 must be in 1\.\.SLURM_NTASKS=4"):
+        detect_env({**base, "SLURM_STEP_TASKS_PER_NODE": "8", "SLURM_NTASKS_PER_NODE": "4"})
+    with pytest.raises(ValueError, match=r"malformed SLURM_STEP_TASKS_PER_NODE '2\(x'"):
+        detect_env({**base, "SLURM_STEP_TASKS_PER_NODE": "2(x"})
+
+
 def test_torchrun_inside_slurm_reads_as_torchrun() -> None:
     env = detect_env(
         {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}

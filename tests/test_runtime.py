@@ -82,6 +82,20 @@ def test_init_waiting_for_a_rank_that_never_joins_names_it_and_gives_up_at_its_t
     assert caught.value.missing_ranks == [1]
     assert time.monotonic() - start < 10
     assert not torch.distributed.is_initialized()
+    assert "srun" not in str(caught.value)
+
+
+def test_a_slurm_rank_waiting_for_the_others_is_told_to_start_the_script_with_srun(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    # SLURM variables of the allocation, no job step's: a script run from the batch script itself.
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    clean_env.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(distkit.CollectiveTimeoutError) as caught:
+        distkit.init(timeout_s=1)
+    assert "start the script with srun (`srun python train.py`)" in str(caught.value), caught.value
 
 
 def test_a_rank_whose_store_never_comes_up_is_told_nothing_listens_there(

@@ -159,13 +159,13 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _slurm_tasks_per_node(value: str, node_id: int) -> int:
+def _slurm_tasks_per_node(value: str, node_id: int, name: str) -> int:
     # "4(x2),2" means 4 tasks on each of the first two nodes, then 2 on the third.
     counts: list[int] = []
     for item in value.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if match is None:
-            raise ValueError(f"malformed SLURM_NTASKS_PER_NODE {value!r}.")
+            raise ValueError(f"malformed {name} {value!r}.")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts[min(node_id, len(counts) - 1)]
 
@@ -302,8 +302,15 @@ def detect_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         world_size = _int(environ, "SLURM_STEP_NUM_TASKS", _int(environ, "SLURM_NTASKS"))
         node_rank = _int(environ, "SLURM_NODEID", 0)
         local_rank = _int(environ, "SLURM_LOCALID", 0)
-        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE")
-        local_world_size = _slurm_tasks_per_node(per_node, node_rank) if per_node else world_size
+        # Errors name the variable the value came from: a job step's own, or the allocation's.
+        size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        per_node_var = "SLURM_STEP_TASKS_PER_NODE"
+        if not environ.get(per_node_var):
+            per_node_var = "SLURM_NTASKS_PER_NODE"
+        per_node = environ.get(per_node_var)
+        local_world_size = world_size
+        if per_node:
+            local_world_size = _slurm_tasks_per_node(per_node, node_rank, per_node_var)
         addr = environ.get("MASTER_ADDR")
         port = _int(environ, "MASTER_PORT", 0) or None
         if world_size > 1:
@@ -328,6 +335,6 @@ def detect_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             addr if world_size > 1 else None,
             port if world_size > 1 else None,
         )
-        return _check(env, ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"))
+        return _check(env, ("SLURM_PROCID", size_var, "SLURM_LOCALID", per_node_var))
 
     return LaunchEnv("none", 0, 1, 0, 1, 0, None, None)

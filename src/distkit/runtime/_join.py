@@ -299,6 +299,13 @@ def _await_ranks(store: dist.Store, env: LaunchEnv, timeout_s: float) -> None:
                 f"and a call under `if is_main_process():` or a rank whose script ended early leaves "
                 f"the others waiting."
             )
+            if env.launcher == "slurm" and "SLURM_STEP_NUM_TASKS" not in os.environ:
+                # An sbatch script runs once, on the first node: SLURM_NTASKS is the allocation's.
+                text += (
+                    f" Under SLURM, every rank is a task of one job step: start the script with srun "
+                    f"(`srun python train.py`); run from the sbatch script directly, it is one process "
+                    f"that reads the allocation's SLURM_NTASKS={env.world_size}."
+                )
             if waited >= timeout_s:
                 message = f"{text} Gave up after timeout_s={timeout_s:g}."
                 raise CollectiveTimeoutError(message, missing_ranks=missing, timeout_s=timeout_s)
