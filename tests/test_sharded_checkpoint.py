@@ -255,6 +255,20 @@ def test_sharded_checkpoints_on_an_object_store_are_refused_with_the_way_out() -
         distkit.save_checkpoint("memory://x/c", {"model": make_model()}, sharded=True)
 
 
+def test_a_sharded_checkpoint_into_a_changed_model_names_every_change_before_reading(tmp_path) -> None:
+    """Was: DCP's planner stopped at the first changed shape, so only 0.weight was named."""
+    distkit.save_checkpoint(tmp_path / "c", {"model": make_model()}, sharded=True)
+    wider = nn.Sequential(nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 4))
+    before = [p.detach().clone() for p in wider.parameters()]
+    with pytest.raises(distkit.DistkitError) as caught:
+        distkit.load_checkpoint(tmp_path / "c", {"model": wider})
+    message = str(caught.value)
+    for name in ("0.weight", "0.bias", "2.weight"):
+        assert f"size mismatch for {name}: copying a param with shape" in message, message
+    assert "size mismatch for 4.weight" not in message, message
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.parameters(), strict=True))  # nothing read
+
+
 def test_loading_a_sharded_optimizer_without_its_module_names_what_to_pass(tmp_path) -> None:
     model = make_model()
     optimizer = optimizer_for(model)

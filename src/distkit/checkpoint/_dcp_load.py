@@ -228,6 +228,62 @@ def _unsaved_settings(
     return kept
 
 
+def _size_error(name: str, saved: torch.Size, current: torch.Size) -> str:
+    # torch's own words (nn.Module.load_state_dict), which the Trainer reads back to list what changed.
+    return (
+        f"size mismatch for {name}: copying a param with shape {saved} from checkpoint, the shape in "
+        f"current model is {current}."
+    )
+
+
+def _check_module(
+    path: str,
+    key: str,
+    module: nn.Module,
+    prefix: str,
+    saved: Mapping[str, Any],
+    others: frozenset[str],
+    strict: bool,
+) -> None:
+    """Refuse, before anything is read, a module that does not fit its keys in the checkpoint: a shape
+    that differs; with ``strict``, a name missing or one the checkpoint has and the module lacks."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    current: dict[str, Any] = dict(get_model_state_dict(module))
+    problems = []
+    missing = [name for name in current if prefix + name not in saved]
+    if strict and missing:
+        problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{n}"' for n in missing) + ". ")
+    if strict:
+        own_segments = {name.split(".")[0] for name in current}
+        unexpected = []
+        for full, info in saved.items():
+            if not full.startswith(prefix) or not isinstance(info, TensorStorageMetadata):
+                continue
+            name = full[len(prefix) :]
+            first = name.split(".")[0]
+            if name in current or (prefix == "" and first in others and first not in own_segments):
+                continue  # another entry's key (torchtitan keeps the model's beside them)
+            unexpected.append(name)
+        if unexpected:
+            problems.append(
+                "Unexpected key(s) in state_dict: " + ", ".join(f'"{n}"' for n in unexpected) + ". "
+            )
+    for name, value in current.items():
+        info = saved.get(prefix + name)
+        if not isinstance(info, TensorStorageMetadata) or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(info.size) != tuple(value.shape):
+            problems.append(_size_error(name, info.size, value.shape))
+    if problems:
+        kind = type(module).__name__
+        raise DistkitError(
+            f"could not restore state[{key!r}] into {kind} from checkpoint {redact_url(path)}: "
+            f"Error(s) in loading state_dict for {kind}:\n\t" + "\n\t".join(problems)
+        )
+
+
 def _restore_sharded(
     path: str, manifest: Mapping[str, Any], state: Mapping[str, Any], strict: bool
 ) -> dict[str, Any]:
@@ -235,6 +291,13 @@ def _restore_sharded(
     rank's objects (FSDP, DDP or plain); return them as this rank's state dicts. Local."""
     saved = manifest["sharded"]
     entries = [_DcpEntry(key, f"{key}.") for key in saved["keys"] if key in state]
+    modules = [entry for entry in entries if isinstance(state[entry.key], nn.Module)]
+    if modules:
+        # Every changed shape and name at once, before anything is read (DCP's planner stops at
+        # the first one it meets).
+        metadata = _reader(path).read_metadata().state_dict_metadata
+        for entry in modules:
+            _check_module(path, entry.key, state[entry.key], entry.prefix, metadata, frozenset(state), strict)
     return _restore_dcp(path, entries, state, strict, saved_owners=saved["optimizers"])
 
 

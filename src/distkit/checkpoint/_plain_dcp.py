@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._dcp_load import _DcpEntry, _load_everything, _reader, _restore_dcp
+from distkit.checkpoint._dcp_load import _check_module, _DcpEntry, _load_everything, _reader, _restore_dcp
 from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _LocalStorage, _Storage
 from distkit.checkpoint._state import _optimizer_owners
@@ -66,62 +66,6 @@ def _optimizer_form(
         f"{key}.state.{i}.{v}" in saved for i, name in enumerate(order) for v in per_param.get(name, [])
     )
     return "by_index" if numbered > named else "by_name"
-
-
-def _size_error(name: str, saved: torch.Size, current: torch.Size) -> str:
-    # torch's own words (nn.Module.load_state_dict), which the Trainer reads back to list what changed.
-    return (
-        f"size mismatch for {name}: copying a param with shape {saved} from checkpoint, the shape in "
-        f"current model is {current}."
-    )
-
-
-def _check_module(
-    path: str,
-    key: str,
-    module: nn.Module,
-    prefix: str,
-    saved: Mapping[str, Any],
-    others: frozenset[str],
-    strict: bool,
-) -> None:
-    """Refuse, before anything is read, a module that does not fit its keys in the checkpoint: a shape
-    that differs; with ``strict``, a name missing or one the checkpoint has and the module lacks."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    current: dict[str, Any] = dict(get_model_state_dict(module))
-    problems = []
-    missing = [name for name in current if prefix + name not in saved]
-    if strict and missing:
-        problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{n}"' for n in missing) + ". ")
-    if strict:
-        own_segments = {name.split(".")[0] for name in current}
-        unexpected = []
-        for full, info in saved.items():
-            if not full.startswith(prefix) or not isinstance(info, TensorStorageMetadata):
-                continue
-            name = full[len(prefix) :]
-            first = name.split(".")[0]
-            if name in current or (prefix == "" and first in others and first not in own_segments):
-                continue  # another entry's key (torchtitan keeps the model's beside them)
-            unexpected.append(name)
-        if unexpected:
-            problems.append(
-                "Unexpected key(s) in state_dict: " + ", ".join(f'"{n}"' for n in unexpected) + ". "
-            )
-    for name, value in current.items():
-        info = saved.get(prefix + name)
-        if not isinstance(info, TensorStorageMetadata) or not isinstance(value, torch.Tensor):
-            continue
-        if tuple(info.size) != tuple(value.shape):
-            problems.append(_size_error(name, info.size, value.shape))
-    if problems:
-        kind = type(module).__name__
-        raise DistkitError(
-            f"could not restore state[{key!r}] into {kind} from checkpoint {redact_url(path)}: "
-            f"Error(s) in loading state_dict for {kind}:\n\t" + "\n\t".join(problems)
-        )
 
 
 def _plan(
