@@ -253,8 +253,17 @@ class _IdModel(torch.nn.Module):
         return {"loss": self.lin(x.float().unsqueeze(1) / 23).pow(2).mean()}
 
 
-def _fit_ids(root: str, max_steps: int | None, strategy: str) -> list[int]:
-    from distkit.trainer import ModelCheckpoint, Trainer
+def _fit_ids(root: str, max_steps: int | None, strategy: str) -> tuple[list[int], list[int | None], int]:
+    from distkit.trainer import Callback, ModelCheckpoint, Trainer
+
+    totals: list[int | None] = []
+
+    class Totals(Callback):
+        def on_fit_start(self, trainer: Any) -> None:
+            totals.append(trainer.total_steps)
+
+        def on_fit_end(self, trainer: Any) -> None:
+            totals.append(trainer.total_steps)
 
     model = _IdModel()
     trainer = Trainer(
@@ -267,14 +276,14 @@ def _fit_ids(root: str, max_steps: int | None, strategy: str) -> list[int]:
         seed=5,
         logger=False,
         enable_progress_bar=False,
-        callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpt", every_n_steps=1)],
+        callbacks=[ModelCheckpoint(dirpath=f"{root}/ckpt", every_n_steps=1), Totals()],
     )
     trainer.fit(
         model,
         torch.utils.data.TensorDataset(torch.arange(23)),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
     )
-    return model.seen
+    return model.seen, totals, trainer.global_step
 
 
 @pytest.mark.parametrize("strategy", ["auto", "fsdp"])
@@ -287,8 +296,12 @@ def test_the_trainer_resumes_mid_epoch_on_another_world_size_seeing_each_sample_
     root = str(tmp_path)
     first = ranks.run(_fit_ids, root, steps, strategy, world_size=before)
     second = ranks.run(_fit_ids, root, None, strategy, world_size=after)
-    seen_before = [i for ids in first for i in ids]
-    seen_after = [i for ids in second for i in ids]
+    seen_before = [i for ids, _, _ in first for i in ids]
+    seen_after = [i for ids, _, _ in second for i in ids]
+    # trainer.total_steps is the steps the run really takes, from its start to its end (was: the
+    # new job's steps per epoch times max_epochs, as if every epoch had run on this job's ranks).
+    for _, totals, final_step in first + second:
+        assert totals == [final_step, final_step], (totals, final_step)
     assert len(seen_before) == 3 * steps * before
     # The rest of the epoch, re-split over the new ranks: together, every sample exactly once.
     assert sorted(seen_before + seen_after) == list(range(23))

@@ -120,6 +120,10 @@ class Run:
     # Position inside the epoch: batches consumed, and whether the epoch ran to its end.
     batches_done: int = 0
     epoch_finished: bool = False
+    # Optimizer steps by which the global step at the resume differs from this job's grid of
+    # steps per epoch: nonzero when the checkpoint was saved by another number of ranks (other
+    # steps per epoch), so that trainer.total_steps counts the steps this run really takes.
+    steps_offset: int = 0
     # Stop requests: this rank wants every rank to stop (SIGTERM or should_stop); SIGTERM seen on
     # this rank; agreed by the job; handled (checkpoint saved).
     request_stop: bool = False

@@ -441,10 +441,13 @@ class Trainer:
     def total_steps(self) -> int | None:
         """Optimizer steps ``fit`` takes in all: ``max_steps``, or ``max_epochs`` x
         ``steps_per_epoch`` when that is fewer (known once ``fit`` has made its loaders; before,
-        ``max_steps`` or 0). ``None`` for a stream trained by ``max_epochs`` alone (its length is
-        known once read)."""
+        ``max_steps`` or 0). A run resumed from a checkpoint of another number of ranks (other
+        steps per epoch) counts the steps taken before, and those left at this job's steps per
+        epoch. ``None`` for a stream trained by ``max_epochs`` alone (its length is known once
+        read)."""
         steps = self.steps_per_epoch
-        by_epochs = None if self.max_epochs is None or steps is None else self.max_epochs * steps
+        offset = getattr(self._shown, "steps_offset", 0)  # a resume from another number of ranks
+        by_epochs = None if self.max_epochs is None or steps is None else self.max_epochs * steps + offset
         if self.max_steps is None:
             return None if steps is None else by_epochs or 0
         if by_epochs is None or not self._shown.num_batches:

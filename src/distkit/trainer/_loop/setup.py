@@ -569,6 +569,12 @@ def restore(run: Run) -> int | None:
     if run.batches_done and "train_loader" not in state:
         # A plain DataLoader cannot seek: the epoch restarts and the consumed batches are skipped.
         _log.info("resuming epoch %d by skipping %d batch(es)", run.current_epoch, run.batches_done)
+    if run.num_batches:
+        # Steps taken before, against the steps this job's epochs would have taken to reach the
+        # same position: 0 on the number of ranks that saved it. Fixed now, for the whole run.
+        per_epoch = -(-run.num_batches // run.trainer.accumulate_grad_batches)
+        left = -(-max(0, run.num_batches - run.batches_done) // run.trainer.accumulate_grad_batches)
+        run.steps_offset = run.global_step - (run.current_epoch * per_epoch + per_epoch - left)
     return run.global_step
 
 
