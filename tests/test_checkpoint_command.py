@@ -286,6 +286,23 @@ def test_a_memory_url_from_the_command_and_a_file_url_a_slash_short_are_explaine
     assert "a file:// URL of an absolute path has three slashes (file:///tmp/run)" in err, err
 
 
+def test_list_tells_a_save_that_did_not_finish_from_another_tools_step_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "step_000000006").mkdir()
+    (tmp_path / "step_000000006" / "state.pt").write_bytes(b"half")
+    (tmp_path / "step_000000005").mkdir()
+    (tmp_path / "step_000000005" / "model.safetensors").write_bytes(b"x")
+    code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
+    assert code == 0, err
+    # Was: both "partial (no manifest.json)"; inspect and latest() call the second not distkit's.
+    assert out.splitlines() == [
+        "         6  partial (no manifest.json)",
+        "         5  not a distkit checkpoint: no manifest.json, and files distkit did not write "
+        "(model.safetensors)",
+    ]
+
+
 def test_list_of_an_empty_directory_still_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(capsys, "checkpoint", "list", str(tmp_path))
     assert code == 0, err

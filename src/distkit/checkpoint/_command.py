@@ -122,6 +122,12 @@ def _list(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {"step": entry.step, "path": redact_url(entry.path)}
         if entry.leftover:
             row["status"] = "leftover of a killed save or delete"
+        elif not entry.committed and not entry.holds_only_own_files:
+            # Not a save that did not finish: files distkit never writes (as inspect and latest() say).
+            row["status"] = (
+                f"not a distkit checkpoint: no manifest.json, and files distkit did not write "
+                f"({_StepDirectory.foreign(entry)})"
+            )
         elif not entry.committed:
             row["status"] = "partial (no manifest.json)"
         else:
