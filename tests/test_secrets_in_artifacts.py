@@ -250,3 +250,52 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
+
+
+def test_an_unreachable_tracking_server_is_named_without_its_uris_credentials(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: MLflow's "API request to http://user:password@...?token=... failed" reached the traceback,
+    torchrun's error file and the hang report whole."""
+    import socket
+    import traceback
+
+    import distkit
+    from distkit.trainer import MLflowLogger
+
+    with socket.socket() as probe:  # a port nothing listens on: the connection is refused at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", API_TOKEN)
+    logger = MLflowLogger(tracking_uri=f"http://user:{PASSWORD}@127.0.0.1:{port}/?token={TOKEN}")
+    trainer = distkit.Trainer(
+        strategy="single",
+        max_steps=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    data, model = blobs(f"https://x:{PASSWORD}@data.example", API_TOKEN), Net()
+    with pytest.raises(Exception) as caught:
+        trainer.fit(
+            model,
+            data,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    shown = "".join(traceback.format_exception(caught.value)) + caplog.text
+    assert f"127.0.0.1:{port}" in shown and "http://***@" in shown, shown  # the server is still named
+    assert found_in(shown.encode()) == [], shown
+
+
+def test_a_hang_report_file_is_the_owners_only_and_redacted(tmp_path: pathlib.Path) -> None:
+    from distkit._doctor import doctor, report
+
+    note = doctor.exception_note(RuntimeError(f"API request to http://u:{PASSWORD}@h/?token={TOKEN} failed"))
+    assert found_in(note.encode()) == [] and "http://***@h/?token=***" in note, note
+    path, error = report.write(str(tmp_path), f"rank 0 raised {note}; seen at https://x:{PASSWORD}@h")
+    assert error is None and path is not None
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # was 0644: stacks and errors are the run's
+    assert found_in(pathlib.Path(path).read_bytes()) == []

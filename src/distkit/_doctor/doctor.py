@@ -50,6 +50,7 @@ import torch.distributed as dist
 from distkit._doctor import report as _hang_report, where as _hang_where
 from distkit._doctor.where import BUSY, WAIT
 from distkit._utils import daemon
+from distkit._utils.secrets import redact_text
 from distkit.errors import CollectiveMismatchError, DistkitError, MainProcessError
 
 __all__ = ["HANG_EXIT_CODE", "PEER_FAILED_EXIT_CODE"]
@@ -335,6 +336,7 @@ def exception_note(exc: BaseException) -> str:
     text = lines[0] if lines else ""
     if text.startswith("[rank ") and "] " in text:  # distkit's own errors name the rank: said already
         text = text.split("] ", 1)[1]
+    text = redact_text(text)  # a URL's password or token in a library's error (MLflow's)
     if len(text) > 200:
         text = text[:197] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -17,6 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distkit._utils.secrets import redact_text
+
 __all__: list[str] = []
 
 _WAITING = ("wait", "exempt", "failed")
@@ -256,8 +258,10 @@ def write(directory: str, text: str) -> tuple[str | None, str | None]:
         while os.path.exists(path):
             path = f"{base[:-4]}-{n}.txt"
             n += 1
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+        # The owner's only, as the run's other files: stacks and errors can name private paths.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with open(fd, "w", encoding="utf-8") as handle:
+            handle.write(redact_text(text) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
         return os.path.abspath(path), None

@@ -21,18 +21,19 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeVar
 
 from distkit import runtime
 from distkit._utils.fs import atomic_open
-from distkit._utils.secrets import redact_argv, redact_data, redact_text, redact_url
+from distkit._utils.secrets import Scrubber, redact_argv, redact_data, redact_text, redact_url
 from distkit.trainer.loggers import FILE_MODE, Logger, make_private_dir, metric_names, plain_params
 
 __all__ = ["MLflowLogger", "WandbLogger"]
 
 _log = runtime.get_logger("distkit.trainer", main_process_only=True)
+T = TypeVar("T")
 
 
 class MLflowLogger(Logger):
@@ -107,7 +108,32 @@ class MLflowLogger(Logger):
         self._logged_through: dict[str, int] = {}  # metric -> last step the run holds
         self._params: dict[str, str] = {}
 
+    # Every call that reaches the tracking server goes through a Scrubber of its URI and of the
+    # credentials MLflow reads from the environment: MLflow's own errors (a refused connection)
+    # quote the whole URI, password and token included, into tracebacks, logs and hang reports.
+    _ENV_SECRETS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_CLIENT_CERT_PATH")
+
+    def _scrubbed(self, fn: Callable[..., T], *args: Any) -> T:
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+        secrets = {name: os.environ[name] for name in self._ENV_SECRETS if os.environ.get(name)}
+        return Scrubber(secrets, *([uri] if uri else [])).call(fn, *args)
+
     def setup(self, save_dir: Path, resume_step: int | None) -> None:
+        self._scrubbed(self._setup, save_dir, resume_step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self._scrubbed(self._log_hyperparams, params)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._scrubbed(self._log_metrics, metrics, step)
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        self._scrubbed(self._log_checkpoint, path, step)
+
+    def finalize(self) -> None:
+        self._scrubbed(self._finalize)
+
+    def _setup(self, save_dir: Path, resume_step: int | None) -> None:
         directory = self.save_dir or save_dir
         directory.mkdir(parents=True, exist_ok=True)
         if self.tracking_uri is None:
@@ -158,7 +184,7 @@ class MLflowLogger(Logger):
             )
             return None
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def _log_hyperparams(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
@@ -180,7 +206,7 @@ class MLflowLogger(Logger):
                 "; ".join(changed),
             )
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def _log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
         from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
@@ -198,11 +224,11 @@ class MLflowLogger(Logger):
         # log_batch returned: the store holds these (file store and server write synchronously).
         self._logged_through.update({metric.key: step for metric in batch})
 
-    def log_checkpoint(self, path: str, step: int) -> None:
+    def _log_checkpoint(self, path: str, step: int) -> None:
         self._client.set_tag(self.run_id, "distkit.checkpoint", redact_url(path))
         self._client.set_tag(self.run_id, "distkit.checkpoint_step", str(step))
 
-    def finalize(self) -> None:
+    def _finalize(self) -> None:
         if self._client is None or self.run_id is None:
             return
         failing = _failing()
