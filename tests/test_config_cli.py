@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,27 @@ def test_optimizer_and_scheduler_are_chosen_by_class_path_with_init_args(tmp_pat
     scheduler = cli.lr_scheduler(optimizer)
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 3
     assert cli.scheduler_interval == "epoch"
+
+
+def test_a_class_change_that_keeps_the_default_classs_default_is_warned_about(tmp_path: Path) -> None:
+    """AdamW (the default) has weight_decay=0.01, SGD 0: `optimizer: {class_path: SGD}` trains with
+    0.01, as jsonargparse keeps the values both classes name. Was: without a word."""
+    only_class = write_yaml(
+        tmp_path / "sgd.yaml", {"model": {"hidden": 4}, "optimizer": {"class_path": "SGD"}}
+    )
+    with pytest.warns(
+        UserWarning, match=r"optimizer is SGD, but weight_decay=0\.01 \(SGD's default: 0\) kept AdamW's"
+    ):
+        cli = make_cli(["--config", only_class])
+    assert cli.optimizer(cli.model.parameters()).defaults["weight_decay"] == 0.01  # documented: kept
+    chosen = write_yaml(
+        tmp_path / "sgd0.yaml",
+        {"model": {"hidden": 4}, "optimizer": {"class_path": "SGD", "init_args": {"weight_decay": 0.0}}},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cli = make_cli(["--config", chosen])
+    assert cli.optimizer(cli.model.parameters()).defaults["weight_decay"] == 0.0
 
 
 def test_default_optimizer_may_be_a_partial_and_the_command_line_changes_its_class() -> None:

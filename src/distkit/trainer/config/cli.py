@@ -21,6 +21,7 @@ import importlib
 import inspect
 import io
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
@@ -311,6 +312,9 @@ class TrainerCLI:
         refused = _config_errors.untrusted_class_path(self.parser, config, self._allowed, argv)
         if refused is not None:
             self._fail(refused, env, argv)
+        if env[0] == 0:
+            for key in ("optimizer", "lr_scheduler"):
+                _warn_carried_defaults(key, self.parser.get_defaults().get(key), config.get(key))
         return config
 
     def _fail(self, message: str, env: tuple[int, int], argv: list[str]) -> NoReturn:
@@ -396,6 +400,50 @@ def _dump(parser: ArgumentParser, config: Namespace) -> str:
     except TypeError:  # jsonargparse < 4.49
         text = parser.dump(config, skip_none=False)
     return text
+
+
+def _resolve_class(spec: Any) -> type | None:
+    path = spec.get("class_path") if isinstance(spec, Mapping) else getattr(spec, "class_path", None)
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def _warn_carried_defaults(key: str, default: Any, parsed: Any) -> None:
+    """Warn when the config changed ``key``'s class and an init arg kept the default class's
+    default, which is not the new class's own (jsonargparse keeps the values both classes name:
+    ``optimizer: {class_path: SGD}`` trains with AdamW's ``weight_decay=0.01``, SGD's being 0)."""
+    old, new = _resolve_class(default), _resolve_class(parsed)
+    if old is None or new is None or old is new:
+        return
+    given = getattr(parsed, "init_args", None)
+    values = dict(vars(given)) if given is not None else {}
+    try:
+        old_params, new_params = inspect.signature(old).parameters, inspect.signature(new).parameters
+    except (TypeError, ValueError):
+        return
+    carried = []
+    for name, value in values.items():
+        if name not in old_params or name not in new_params:
+            continue
+        old_default, new_default = old_params[name].default, new_params[name].default
+        if new_default is inspect.Parameter.empty or old_default is inspect.Parameter.empty:
+            continue
+        with contextlib.suppress(Exception):
+            if value == old_default and value != new_default:
+                carried.append(f"{name}={value!r} ({new.__name__}'s default: {new_default!r})")
+    if carried:
+        warnings.warn(
+            f"{key} is {new.__name__}, but {', '.join(carried)} kept {old.__name__}'s default value: "
+            f"when a config changes the class, the init args both classes name keep their values. "
+            f"Give them in the config ({key}.init_args) to choose; --print_config shows what runs.",
+            stacklevel=4,
+        )
 
 
 def _class_spec(value: Any, what: str) -> dict[str, Any] | None:
