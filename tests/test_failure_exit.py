@@ -248,6 +248,20 @@ def test_under_torchrun_a_collective_on_rank_0_only_ends_the_job_naming_rank_0_a
     assert "rank      : 0 (local_rank: 0)" in summary and "exitcode  : 1" in summary, summary
 
 
+def test_a_torch_collective_meeting_ddps_of_another_size_aborts_naming_its_line(tmp_path: Path) -> None:
+    """gloo aborts the process (SIGABRT, EnforceNotMet) when rank 0's all_reduce of 4 meets rank
+    1's DDP all-reduce of the gradients: no Python code runs. Was: no line named anywhere; distkit's
+    init now enables faulthandler, which prints the Python stack of the aborting thread."""
+    job = torchrun(tmp_path, "rank0_only", "torch_all_reduce")
+    assert job.codes != [0], job.text()
+    line = next(
+        number
+        for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1)
+        if "# <- torch_all_reduce" in text
+    )
+    assert f'File "{SCRIPT}", line {line} in _call' in job.outputs[0], job.text()
+
+
 def test_mp_spawn_raises_rank_0s_mismatch_and_ends_every_process(tmp_path: Path) -> None:
     job = one_process(tmp_path, "rank0_only", "all_gather_object", "spawn")
     assert job.codes == [1], job.text()

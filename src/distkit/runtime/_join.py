@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import faulthandler
 import gc
 import json
 import os
@@ -496,6 +497,11 @@ def _start_doctor(runtime: _Runtime, hang: float | str | None) -> None:
     runtime.hang_timeout_s = hang
     if runtime.store is None or runtime.env.world_size < 2:
         return
+    if not faulthandler.is_enabled():
+        # gloo aborts the process (SIGABRT, "EnforceNotMet ... 580 vs 4") when ranks meet in
+        # collectives of different sizes (an all_reduce under `if rank == 0:` meeting DDP's): no
+        # Python code runs then, so this is what names the line, in every thread's stack.
+        faulthandler.enable(all_threads=True)
     group = runtime.cpu_group if runtime.cpu_group is not None else dist.distributed_c10d._get_default_group()
     doctor = _hang.Doctor(
         store=runtime.store,
