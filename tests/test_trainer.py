@@ -1263,20 +1263,32 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(t
     def run(lr: float) -> None:
         model = SimpleModel()
         trainer = quiet_trainer(
-            str(tmp_path), strategy="single", max_steps=2, log_every_n_steps=1, logger=True
+            str(tmp_path),
+            strategy="single",
+            max_steps=2,
+            log_every_n_steps=1,
+            logger=[CSVLogger(), TensorBoardLogger()],
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
 
     run(0.1)
     first = (tmp_path / "metrics.csv").read_text()
-    # Was: the second run's metrics.csv and hparams.json replaced the first run's, in silence.
+    events = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    # Was: the second run's metrics.csv and hparams.json replaced the first run's, in silence, and
+    # its TensorBoard events went beside the first run's: one curve restarting at step 1.
     with caplog.at_level("WARNING", logger="distkit.trainer"):
         run(0.5)
     assert (tmp_path / "metrics.1.csv").read_text() == first
     assert (tmp_path / "hparams.1.json").exists() and (tmp_path / "hparams.json").exists()
     assert (tmp_path / "metrics.csv").read_text() != first
     assert "held the metrics of an earlier run in this directory: kept as metrics.1.csv" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "tensorboard.1").iterdir()) == events
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert (
+        "held the TensorBoard events of an earlier run in this directory: kept as tensorboard.1"
+        in caplog.text
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -129,6 +129,26 @@ def _keep_earlier_run(path: Path) -> None:
     )
 
 
+def _keep_earlier_events(directory: Path) -> None:
+    """A fresh run where an earlier one left TensorBoard events: they are kept in the first free
+    ``<directory>.<n>`` (TensorBoard shows it as a run of its own), not mixed into this run's curves,
+    which would restart at step 1 on the same plot."""
+    if not directory.is_dir() or not any(directory.glob("events.out.tfevents.*")):
+        return
+    number = 1
+    while directory.with_name(f"{directory.name}.{number}").exists():
+        number += 1
+    kept = directory.with_name(f"{directory.name}.{number}")
+    os.replace(directory, kept)
+    _log.warning(
+        "%s held the TensorBoard events of an earlier run in this directory: kept as %s; this run "
+        "writes a new %s. Give each run its own default_root_dir to keep them apart.",
+        directory,
+        kept.name,
+        directory.name,
+    )
+
+
 class CSVLogger(Logger):
     """Metrics as rows of a CSV file: one row per logging step or epoch end, one column per name.
 
@@ -242,6 +262,8 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
             ) from err
         directory = self.save_dir or save_dir / "tensorboard"
+        if resume_step is None:
+            _keep_earlier_events(directory)
         make_private_dir(directory)
         # SummaryWriter purges the events at steps >= purge_step; those at the resumed step itself
         # were written before its checkpoint and are kept, as CSVLogger keeps its rows.
