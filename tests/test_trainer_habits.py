@@ -417,3 +417,26 @@ def test_a_scheduler_shorter_than_the_run_is_named_with_its_length_and_the_fix(t
             lr_scheduler=short,
         )
     assert "total_steps=trainer.total_steps" in str(caught.value)
+
+
+def test_a_mid_epoch_resume_with_another_accumulation_is_refused_and_one_at_an_epoch_end_is_not(
+    tmp_path: Path,
+) -> None:
+    """Was: accepted without a word, a step of one micro-batch scaled by 1/2 where the saved step
+    ended, and an epoch of another length than the scheduler's (batch_size was refused already)."""
+    # 64 samples, batch 4: 16 batches an epoch; accumulating 3, the checkpoint at step 3 is 9 in.
+    first = _trainer(tmp_path, batch_size=4, max_steps=3, accumulate_grad_batches=3, resume="auto")
+    _fit(first, _model())
+    again = _trainer(tmp_path, batch_size=4, max_epochs=1, accumulate_grad_batches=2, resume="auto")
+    with pytest.raises(
+        ValueError,
+        match=r"cannot resume mid-epoch \(9 batches into the epoch\) with "
+        r"accumulate_grad_batches=2: the checkpoint was saved with 3",
+    ):
+        _fit(again, _model())
+    # From an epoch's end (the first run finished its epoch), another accumulation is fine.
+    whole = _trainer(tmp_path / "b", batch_size=4, max_epochs=1, accumulate_grad_batches=3, resume="auto")
+    _fit(whole, _model())
+    more = _trainer(tmp_path / "b", batch_size=4, max_epochs=2, accumulate_grad_batches=2, resume="auto")
+    _fit(more, _model())
+    assert more.global_step == 6 + 8 and more.total_steps == 14

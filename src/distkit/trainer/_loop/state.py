@@ -109,10 +109,27 @@ class _Counters:
             "callback_metrics": _plain_metrics(run.callback_metrics),
             "world_size": runtime.get_world_size(),
             "log_sums": all_gather_object(_logs.log_sums(run)),
+            # A mid-epoch resume must step on the same grid of micro-batches (checked on load).
+            "accumulate_grad_batches": run.trainer.accumulate_grad_batches,
+            "batches_in_epoch": 0 if run.epoch_finished else run.batches_done,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         run = self.run
+        saved_accumulation = state.get("accumulate_grad_batches")
+        now = run.trainer.accumulate_grad_batches
+        batches = int(state.get("batches_in_epoch") or 0)
+        if saved_accumulation is not None and saved_accumulation != now and batches:
+            # Steps end where (batch + 1) % accumulation == 0: another accumulation would end one
+            # within the saved step's micro-batches (a step of 1 scaled by 1/2), and the epoch would
+            # take another number of steps than the scheduler was made for.
+            raise ValueError(
+                f"cannot resume mid-epoch ({batches} batches into the epoch) with "
+                f"accumulate_grad_batches={now}: the checkpoint was saved with {saved_accumulation}, "
+                f"and a changed accumulation would split its optimizer steps differently. Resume with "
+                f"accumulate_grad_batches={saved_accumulation}, and change it from a checkpoint saved at "
+                f"an epoch's end (ModelCheckpoint(every_n_epochs=1)), or start a new run."
+            )
         run.skipped_steps = int(state["skipped_steps"])
         run.nonfinite_run = [int(step) for step in state.get("nonfinite_run", [])]
         run.callback_metrics = dict(state.get("callback_metrics", {}))
