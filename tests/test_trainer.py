@@ -1259,6 +1259,38 @@ def test_throughput_leaves_out_the_time_of_a_validation_mid_epoch(tmp_path) -> N
     assert len(rates) == 2 and min(rates) > 10, records
 
 
+def test_a_resume_from_a_checkpoint_at_an_epochs_last_step_logs_the_epoch_end_once(tmp_path) -> None:
+    """The step-end checkpoint of an epoch's last step comes before the epoch's end (validation,
+    the epoch's row), which a resume does again. Was: metrics.csv held that row twice."""
+
+    def run() -> None:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            str(tmp_path),
+            strategy="single",
+            max_epochs=2,
+            batch_size=8,  # 64 samples: 8 steps an epoch, so every 4th step's save is an epoch's last
+            log_every_n_steps=3,
+            logger=True,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(every_n_steps=4)],
+            resume="auto",
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(
+            model,
+            RandomDataset(20, 64),
+            RandomDataset(20, 16),
+            optimizer=optimizer,
+            loss_fn=nn.functional.cross_entropy,
+        )
+
+    run()
+    first = (tmp_path / "metrics.csv").read_text()
+    run()  # the finished run again: resumes at its last checkpoint, step 16, the second epoch's end
+    assert (tmp_path / "metrics.csv").read_text() == first
+
+
 def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(tmp_path, caplog) -> None:
     def run(lr: float) -> None:
         model = SimpleModel()

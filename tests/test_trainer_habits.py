@@ -440,3 +440,22 @@ def test_a_mid_epoch_resume_with_another_accumulation_is_refused_and_one_at_an_e
     more = _trainer(tmp_path / "b", batch_size=4, max_epochs=2, accumulate_grad_batches=2, resume="auto")
     _fit(more, _model())
     assert more.global_step == 6 + 8 and more.total_steps == 14
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (
+            {"every_n_epochs": None},
+            r"every_n_epochs must be an int >= 0 \(0 turns epoch saves off\), got None",
+        ),
+        ({"every_n_steps": "5"}, r"every_n_steps must be an int >= 1 or None, got '5'"),
+    ],
+)
+def test_modelcheckpoint_rhythms_of_another_type_are_refused_when_made(
+    options: dict[str, Any], said: str
+) -> None:
+    # Was: every_n_epochs=None (Lightning's "not by epochs") failed at the first epoch's end with
+    # "'<' not supported between instances of 'NoneType' and 'int'".
+    with pytest.raises(ValueError, match=said):
+        ModelCheckpoint(**options)

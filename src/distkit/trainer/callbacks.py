@@ -280,10 +280,15 @@ class ModelCheckpoint(Callback):
             raise ValueError(
                 f"keep_best={keep_best} ranks checkpoints by a metric; pass monitor='val_loss' too."
             )
-        if every_n_epochs < 0:
-            raise ValueError(f"every_n_epochs must be >= 0, got {every_n_epochs}.")
-        if every_n_steps is not None and every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps}.")
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 0:
+            # None (Lightning's "not by epochs") would fail later, at the first epoch's end.
+            raise ValueError(
+                f"every_n_epochs must be an int >= 0 (0 turns epoch saves off), got {every_n_epochs!r}."
+            )
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}.")
         if every_n_minutes is not None and (
             isinstance(every_n_minutes, bool)
             or not isinstance(every_n_minutes, (int, float))

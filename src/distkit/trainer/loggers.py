@@ -181,6 +181,9 @@ class CSVLogger(Logger):
         self.path: Path | None = None
         self._columns: list[str] = []
         self._rows: list[dict[str, Any]] = []
+        # The resumed step and its kept rows by their names: a row the resumed run logs again there
+        # (an epoch's end after a checkpoint at the epoch's last step) replaces the kept one.
+        self._resumed: tuple[int, dict[frozenset[str], dict[str, Any]]] | None = None
 
     def setup(self, save_dir: Path, resume_step: int | None) -> None:
         directory = self.save_dir or save_dir
@@ -188,11 +191,14 @@ class CSVLogger(Logger):
         self.path = directory / self.filename
         self._rows = []
         self._columns = ["step"]
+        self._resumed = None
         if resume_step is not None and self.path.exists():
             with open(self.path, newline="") as handle:
                 reader = csv.DictReader(handle)
                 self._columns = list(reader.fieldnames or ["step"])
                 self._rows = [row for row in reader if int(row["step"]) <= resume_step]
+            at_step = {_names(row): row for row in self._rows if int(row["step"]) == resume_step}
+            self._resumed = (resume_step, at_step)
         elif resume_step is None:
             _keep_earlier_run(self.path)
         self._rewrite()
@@ -209,8 +215,14 @@ class CSVLogger(Logger):
         row.update({name: _format(value) for name, value in metric_names(metrics).items()})
         self._rows.append(row)
         new = [name for name in row if name not in self._columns]
+        again = None
+        if self._resumed is not None and self._resumed[0] == step:
+            again = self._resumed[1].pop(_names(row), None)
+        if again is not None:  # the interrupted attempt's row, logged after its checkpoint
+            self._rows.remove(again)
+            new = new or [""]  # rewrite the file whole, without it
         if new:
-            self._columns.extend(new)
+            self._columns.extend(name for name in new if name)
             self._rewrite()
             return
         with open(self.path, "a", newline="") as handle:
@@ -224,6 +236,11 @@ class CSVLogger(Logger):
             writer.writeheader()
             writer.writerows(self._rows)
             raw.write(text.getvalue().encode())
+
+
+def _names(row: Mapping[str, Any]) -> frozenset[str]:
+    """The metrics a row holds (a row read back has every column, empty where it had none)."""
+    return frozenset(name for name, value in row.items() if name != "step" and value not in ("", None))
 
 
 def _format(value: float) -> Any:
