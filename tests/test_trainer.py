@@ -1282,13 +1282,16 @@ def test_a_resume_from_a_checkpoint_at_an_epochs_last_step_logs_the_epoch_end_on
             RandomDataset(20, 64),
             RandomDataset(20, 16),
             optimizer=optimizer,
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5),
             loss_fn=nn.functional.cross_entropy,
         )
 
     run()
-    first = (tmp_path / "metrics.csv").read_text()
+    first, hparams = (tmp_path / "metrics.csv").read_text(), (tmp_path / "hparams.json").read_text()
     run()  # the finished run again: resumes at its last checkpoint, step 16, the second epoch's end
     assert (tmp_path / "metrics.csv").read_text() == first
+    # The run's lr, not the schedule's at step 16 (was: "lr": [0.0015625] after the resume).
+    assert (tmp_path / "hparams.json").read_text() == hparams and '"lr": [\n    0.1\n  ]' in hparams
 
 
 def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(tmp_path, caplog) -> None:

@@ -39,7 +39,9 @@ def hyperparams(run: Run) -> dict[str, Any]:
         "gradient_clip_val": run.trainer.gradient_clip_val,
         "seed": run.trainer.seed,
         "optimizer": type(optimizer).__name__,
-        "lr": [group["lr"] for group in optimizer.param_groups],
+        # The run's learning rate, not the schedule's value at a resumed step: a scheduler keeps
+        # the one it started from as initial_lr (saved with the optimizer).
+        "lr": [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups],
     }
     # With a TrainerCLI config: the whole of it, these derived values under "run" (docs/config.md).
     return _run_config.hyperparams(run.trainer, derived)
