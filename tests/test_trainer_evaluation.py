@@ -611,6 +611,25 @@ def test_test_and_predict_use_the_models_own_steps_when_it_has_them(tmp_path) ->
         trainer.validate(Net(), data)  # no loss_fn, no validation_step, no target parameter
 
 
+class ValidationStepOnly(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        return {"val_correct": ((self(x).argmax(1) == y).sum(), len(y)), "seen": (len(y), len(y))}
+
+
+def test_test_through_a_validation_step_names_its_metrics_test_and_keeps_the_validations(tmp_path) -> None:
+    """Was: {'val_correct': ...} from test(), overwriting the validation's val_correct in
+    trainer.callback_metrics."""
+    torch.manual_seed(0)
+    model = ValidationStepOnly()
+    trainer = quiet(str(tmp_path), max_epochs=1, val_batch_size=8)
+    validated = trainer.validate(model, Blobs(50, seed=1))
+    tested = trainer.test(model, Blobs(50, seed=2))
+    assert sorted(validated) == ["seen", "val_correct"] and sorted(tested) == ["seen", "test_correct"]
+    assert trainer.callback_metrics["val_correct"] == validated["val_correct"]
+    assert trainer.callback_metrics["test_correct"] == tested["test_correct"]
+
+
 class TrainingStepOnly(Net):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -68,6 +68,9 @@ def evaluate(
         entry[1] += count
 
     step_fn = getattr(module, f"{prefix}_step", None) if prefix == "test" else None
+    # test() through a validation_step: its val_* names become test_* (as test_step's would be),
+    # so that a test does not report, or overwrite in callback_metrics, the validation's metrics.
+    renamed = prefix == "test" and not callable(step_fn)
     step_fn = step_fn if callable(step_fn) else getattr(module, "validation_step", None)
     try:
         convention = None if callable(step_fn) else _model_io.convention(module, loss_fn)
@@ -106,7 +109,7 @@ def evaluate(
                     raise TypeError(_not_a_dict(step_fn.__name__, out))
                 size = batch_size(batch)
                 for name, value in out.items():
-                    add(name, value, size)
+                    add(f"test_{name[4:]}" if renamed and name.startswith("val_") else name, value, size)
                 continue
             if convention == "model_loss":
                 output = _model_io.call_with_target(module, batch, target_name)
