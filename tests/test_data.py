@@ -896,6 +896,22 @@ def test_a_dict_of_tensor_columns_or_a_missing_state_is_named() -> None:
         loader.load_state_dict(None)
 
 
+def test_a_pandas_dataframe_or_series_is_named_with_the_way_to_pass_its_rows(tmp_path) -> None:
+    pandas = pytest.importorskip("pandas")  # installed with the mlflow extra
+    frame = pandas.DataFrame({"a": [0.0, 1.0, 2.0, 3.0], "b": [1.0, 0.0, 1.0, 0.0], "label": [0, 1, 0, 1]})
+    # Was: accepted, then pandas' KeyError: 0 (a column lookup) at the first batch, 17 frames deep.
+    for data, what in ((frame, "DataFrame"), (frame["a"], "Series")):
+        with pytest.raises(TypeError, match=rf"dataset is a pandas {what}: as a dataset it is looked up"):
+            distkit.distributed_dataloader(data, batch_size=2)
+    with pytest.raises(TypeError, match=r"train_data is a pandas DataFrame: .*TensorDataset\(torch\.tensor"):
+        distkit.Trainer(strategy="single", max_steps=1, default_root_dir=tmp_path).fit(
+            torch.nn.Linear(2, 2),
+            frame,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            loss_fn=torch.nn.functional.cross_entropy,
+        )
+
+
 def test_a_flag_that_is_not_a_bool_is_refused_not_taken_as_true() -> None:
     # Was: shuffle="False" shuffled, in silence.
     with pytest.raises(TypeError, match=r"shuffle must be True or False, got str 'False'"):

@@ -23,6 +23,16 @@ def check_not_tensor_tuple(data: Any, name: str) -> None:
     """Refuse ``(inputs, targets)`` tensors given where a dataset is needed (as Keras's ``fit(x, y)``
     takes them): as a dataset that tuple is a few samples, the tensors themselves, which fails in
     the loader's collate or, worse, trains on them. A dict of tensor columns likewise. Local."""
+    kind = type(data).__name__
+    if type(data).__module__.split(".")[0] == "pandas" and kind in ("DataFrame", "Series"):
+        # data[i] is a column (a DataFrame) or a label lookup (a Series), not the i-th row.
+        raise TypeError(
+            f"{name} is a pandas {kind}: as a dataset it is looked up by sample index ({name}[0]), "
+            f"which pandas takes for a {'column' if kind == 'DataFrame' else 'label'}, not the first "
+            f"row. Pass its values as tensors: TensorDataset(torch.tensor(df[features].to_numpy(), "
+            f"dtype=torch.float32), torch.tensor(df[label].to_numpy())), or a Dataset whose "
+            f"__getitem__ reads df.iloc[i]."
+        )
     if _tensor_columns(data):
         rows = {int(value.shape[0]) for value in data.values()}
         names = ", ".join(f"{key!r}: {tuple(value.shape)}" for key, value in data.items())
