@@ -332,6 +332,18 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             {"trainer": {"max_epochs": 0}},
             ["trainer.max_epochs: max_epochs must be >= 1, got 0.", "Fix trainer.max_epochs in", "bad.yaml"],
         ),
+        # A list where the names go: was dropped without a word under a later --model.hidden (and an
+        # init_args list was a jsonargparse traceback).
+        (
+            ["--model.hidden", "16"],
+            {"model": [32, 0.9]},
+            ["model in ", "bad.yaml is a list ([32, 0.9]), not a mapping of argument names to values"],
+        ),
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": [0.1]}},
+            ["optimizer.init_args in ", "bad.yaml is a list ([0.1]), not a mapping"],
+        ),
     ],
     ids=[
         "unknown-cli",
@@ -349,6 +361,8 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "logger-init-arg-typo-cli",
         "trainer-refuses-cli",
         "trainer-refuses-in-file",
+        "model-as-a-list",
+        "init-args-as-a-list",
     ],
 )
 def test_bad_input_names_the_key_the_value_and_what_was_expected(

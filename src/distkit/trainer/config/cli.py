@@ -297,6 +297,9 @@ class TrainerCLI:
 
     def _parse(self, argv: list[str]) -> Namespace:
         env = _launch_env()
+        misshapen = _config_errors.misshapen_sections(argv)
+        if misshapen is not None:
+            self._fail(misshapen, env, argv)
         # --help and --print_config print once per job, not once per rank.
         quiet = io.StringIO() if env[0] != 0 else None
         try:

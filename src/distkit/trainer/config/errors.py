@@ -396,6 +396,37 @@ def untrusted_class_path(
     return None
 
 
+def misshapen_sections(argv: list[str]) -> str | None:
+    """Why a ``--config`` file's ``model:``/``data:`` section, or an ``init_args``, is not a mapping of
+    argument names, or ``None``. jsonargparse takes a list there and, when an option such as
+    ``--model.hidden 16`` comes after, drops it for a mapping of that option alone: the other values
+    the file meant (``model: [32, 0.9]``'s 0.9) are lost without a word. Local."""
+    import yaml
+
+    for path in config_paths(argv):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data: Any = yaml.safe_load(handle)
+        except (OSError, yaml.YAMLError):
+            continue  # jsonargparse names these
+        if not isinstance(data, dict):
+            continue
+        shapes = [(key, data.get(key)) for key in ("model", "data")]
+        shapes += [
+            (f"{key}.init_args", data[key].get("init_args"))
+            for key in ("optimizer", "lr_scheduler")
+            if isinstance(data.get(key), dict)
+        ]
+        for key, value in shapes:
+            if value is not None and not isinstance(value, dict):
+                return (
+                    f"{key} in {path} is a {type(value).__name__} ({value!r}), not a mapping of argument "
+                    f"names to values: write each argument by name ({key}: {{name: value, ...}}); "
+                    f"--print_config shows the names."
+                )
+    return None
+
+
 def untrusted_in_raw_input(parser: ArgumentParser, argv: list[str], allowed: Sequence[Any]) -> str | None:
     """Like :func:`untrusted_class_path`, on the raw ``--config`` files and ``--key VALUE`` options
     of ``argv``: why a config that jsonargparse could not parse was refused, when the reason is a
