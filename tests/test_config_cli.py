@@ -332,6 +332,22 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             {"trainer": {"max_epochs": 0}},
             ["trainer.max_epochs: max_epochs must be >= 1, got 0.", "Fix trainer.max_epochs in", "bad.yaml"],
         ),
+        # Slips past the first name, and a known key with one dash (was: "Did you mean" the slip).
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optim.AdamW", "init_arg": {"lr": 0.1}}},
+            ["unknown key optimizer.init_arg.lr", "Did you mean optimizer.init_args.lr?"],
+        ),
+        (
+            ["--model.hidden", "4", "-trainer.max_epochs", "2"],
+            None,
+            ["It is a known key: write the option with two dashes, --trainer.max_epochs."],
+        ),
+        (
+            ["--model.hidden", "4", "--trainer..max_epochs", "2"],
+            None,
+            ["unknown key trainer..max_epochs", "Did you mean trainer.max_epochs?"],
+        ),
         # A list where the names go: was dropped without a word under a later --model.hidden (and an
         # init_args list was a jsonargparse traceback).
         (
@@ -361,6 +377,9 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "logger-init-arg-typo-cli",
         "trainer-refuses-cli",
         "trainer-refuses-in-file",
+        "init-arg-slip-in-file",
+        "one-dash",
+        "two-dots",
         "model-as-a-list",
         "init-args-as-a-list",
     ],

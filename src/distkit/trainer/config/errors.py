@@ -213,16 +213,34 @@ def _unknown(key: str, value: Any, actions: Mapping[str, Any], where: str, fix: 
             known = _init_arg_names(detail, group)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         if close:
-            message += f" Did you mean {close[0]}?"
+            message += _meant(key, close[0])
         if known:
             message += f" {group} accepts: " + ", ".join(k[len(group) + 1 :] for k in known[:40]) + "."
     else:
-        first = key.split(".")[0]
-        close = difflib.get_close_matches(first, top, n=1, cutoff=0.6)
+        parts = key.split(".")
+        close = difflib.get_close_matches(parts[0], top, n=1, cutoff=0.6)
+        if "" in parts:  # a dot too many (trainer..max_epochs)
+            close = [".".join(part for part in parts if part)]
+        elif close and close[0] == parts[0] and len(parts) > 2:
+            # The first name is right: the slip is further in (optimizer.init_arg.lr).
+            second = {d.split(".")[1] for d in actions if d.startswith(parts[0] + ".") and d.count(".")}
+            second |= {"class_path", "init_args"}
+            near = difflib.get_close_matches(parts[1], sorted(second), n=1, cutoff=0.6)
+            close = [".".join([parts[0], near[0], *parts[2:]])] if near else []
+        elif close:
+            close = [".".join([close[0], *parts[1:]])]
         if close:
-            message += f" Did you mean {close[0]}{key[len(first) :]}?"
+            message += _meant(key, close[0])
         message += " The top-level keys are: " + ", ".join(top) + "."
     return f"{message} {fix}"
+
+
+def _meant(key: str, close: str) -> str:
+    """The suggestion for an unknown ``key``; a known key given with one dash (``-trainer.x``)
+    reads as unknown, and is told how to write it rather than suggested as itself."""
+    if close == key:
+        return f" It is a known key: write the option with two dashes, --{key}."
+    return f" Did you mean {close}?"
 
 
 def _init_arg_names(text: str, group: str) -> list[str]:
