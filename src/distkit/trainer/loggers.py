@@ -17,7 +17,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,15 @@ class Logger:
         """Flush and close; called at the end of ``fit``, also when it fails."""
 
 
+def _first_free(named: Callable[[int], Path]) -> int:
+    """The first number from 1 whose ``named(number)`` does not exist: where an earlier run's file
+    is kept."""
+    number = 1
+    while named(number).exists():
+        number += 1
+    return number
+
+
 def _keep_earlier_run(path: Path) -> None:
     """A fresh run writing where an earlier one left its rows (a reused ``default_root_dir``
     without checkpoints, whose reuse is refused): the earlier file and its ``hparams.json`` are
@@ -112,9 +121,7 @@ def _keep_earlier_run(path: Path) -> None:
         handle.readline()  # the header
         if not handle.readline():  # no rows to keep
             return
-    number = 1
-    while path.with_suffix(f".{number}{path.suffix}").exists():
-        number += 1
+    number = _first_free(lambda n: path.with_suffix(f".{n}{path.suffix}"))
     kept = path.with_suffix(f".{number}{path.suffix}")
     os.replace(path, kept)
     if hparams.exists():
@@ -135,10 +142,11 @@ def _keep_earlier_events(directory: Path) -> None:
     which would restart at step 1 on the same plot."""
     if not directory.is_dir() or not any(directory.glob("events.out.tfevents.*")):
         return
-    number = 1
-    while directory.with_name(f"{directory.name}.{number}").exists():
-        number += 1
-    kept = directory.with_name(f"{directory.name}.{number}")
+
+    def numbered(number: int) -> Path:
+        return directory.with_name(f"{directory.name}.{number}")
+
+    kept = numbered(_first_free(numbered))
     os.replace(directory, kept)
     _log.warning(
         "%s held the TensorBoard events of an earlier run in this directory: kept as %s; this run "
