@@ -1326,6 +1326,32 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(t
     )
 
 
+@pytest.mark.parametrize("running", [CSVLogger, TensorBoardLogger])
+def test_a_second_run_logging_into_a_directory_another_run_writes_is_refused(tmp_path, running) -> None:
+    # The run in progress: its logger set up, as the Trainer sets it up at the start of fit.
+    other = running()
+    other.setup(tmp_path, None)
+    other.log_metrics({"train_loss": 1.5}, step=1)
+    files = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def run() -> None:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            str(tmp_path), strategy="single", max_steps=2, log_every_n_steps=1, logger=[running()]
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+
+    # Was, with checkpoints off (no checkpoint directory's lock): the second run renamed the first's
+    # metrics.csv away and both wrote rows into the new one.
+    refused = r"another run writes .*: pid \d+ on host .*Two runs logging"
+    with pytest.raises(distkit.DistkitError, match=refused):
+        run()
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    other.finalize()  # that run ended: its directory may be reused
+    run()
+
+
 # --------------------------------------------------------------------------------------------------
 # Real processes: fit() starting its own, SIGTERM (preemption), SIGKILL under torchrun --max-restarts
 

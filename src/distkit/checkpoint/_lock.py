@@ -12,7 +12,7 @@ import socket
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from distkit._utils.secrets import redact_url
@@ -38,7 +38,8 @@ def _job_of_this_process() -> str | None:
     jobs = []
     if slurm := os.environ.get("SLURM_JOB_ID"):
         jobs.append(f"SLURM job {slurm}")
-    if run := os.environ.get("TORCHELASTIC_RUN_ID"):
+    # torchrun's own --rdzv-id when none is given is "none": no name to show.
+    if (run := os.environ.get("TORCHELASTIC_RUN_ID")) and run != "none":
         jobs.append(f"torchelastic run {run}")
     return ", ".join(jobs) or None
 
@@ -92,10 +93,22 @@ class _LocalWriterLock:
     The file stays when released (deleting a lock file races with a process that just opened it).
     """
 
-    def __init__(self, directory: str, file_mode: int) -> None:
+    def __init__(
+        self,
+        directory: str,
+        file_mode: int,
+        *,
+        what: str = "the checkpoint directory",
+        conflict: Callable[[str, str], Exception] | None = None,
+    ) -> None:
         self.directory = directory
         self.path = os.path.normpath(os.path.abspath(directory)) + _LOCK_SUFFIX
         self.file_mode = file_mode
+        # What is locked, for the warning of a filesystem without locks; and the error refusing a
+        # second writer, from the holder's description and the lock's path (a checkpoint
+        # directory's CheckpointConflictError when None).
+        self.what = what
+        self.conflict = conflict
         self.fd: int | None = None
         self.pid = os.getpid()  # the holder; a forked child inherits the descriptor, not the lock
 
@@ -122,6 +135,8 @@ class _LocalWriterLock:
                     # yet: collecting it releases its lock. A live one keeps holding it.
                     gc.collect()
                     continue
+                if self.conflict is not None:
+                    raise self.conflict(_describe_holder(holder), self.path) from None
                 raise CheckpointConflictError(
                     f"another writer holds the checkpoint directory {self.directory}: "
                     f"{_describe_holder(holder)} (lock {self.path}). Two writers in one directory "
@@ -170,8 +185,8 @@ class _LocalWriterLock:
             return
         _unlocked_warned.add(self.path)
         warnings.warn(
-            f"{_label()} cannot lock the checkpoint directory {self.directory} ({why}); saving "
-            f"without the writer lock, so a second job writing there would not be detected.",
+            f"{_label()} cannot lock {self.what} {self.directory} ({why}); writing without the "
+            f"writer lock, so a second job writing there would not be detected.",
             stacklevel=5,
         )
 

@@ -25,6 +25,8 @@ from distkit import runtime
 from distkit._utils.fs import atomic_open
 from distkit._utils.secrets import redact_data, redact_text
 from distkit.checkpoint._commit import DEFAULT_FILE_MODE
+from distkit.checkpoint._lock import _LocalWriterLock
+from distkit.errors import DistkitError
 
 __all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]
 
@@ -110,6 +112,26 @@ def _first_free(named: Callable[[int], Path]) -> int:
     return number
 
 
+def _claim(path: Path) -> _LocalWriterLock:
+    """Hold ``path`` (a metrics file, an events folder) for this run until ``finalize``. A second
+    run writing there at the same time (the same ``default_root_dir``) would mix its rows into this
+    one's, or rename this one's file away, and no checkpoint directory's lock refuses it when
+    checkpoints are off or kept elsewhere. The kernel lock beside it, ``<path>.distkit-lock``, is
+    released when its holder exits or dies, however it dies."""
+
+    def refuse(holder: str, lock: str) -> DistkitError:
+        return DistkitError(
+            f"another run writes {path}: {holder} (lock {lock}). Two runs logging to one "
+            f"directory mix their rows. Give this run a default_root_dir of its own (or the logger "
+            f"a save_dir of its own), or wait for that run to end; the lock is released when its "
+            f"holder exits or dies, even when killed."
+        )
+
+    lock = _LocalWriterLock(str(path), FILE_MODE, what="the log", conflict=refuse)
+    lock.acquire()
+    return lock
+
+
 def _keep_earlier_run(path: Path) -> None:
     """A fresh run writing where an earlier one left its rows (a reused ``default_root_dir``
     without checkpoints, whose reuse is refused): the earlier file and its ``hparams.json`` are
@@ -192,11 +214,13 @@ class CSVLogger(Logger):
         # The resumed step and its kept rows by their names: a row the resumed run logs again there
         # (an epoch's end after a checkpoint at the epoch's last step) replaces the kept one.
         self._resumed: tuple[int, dict[frozenset[str], dict[str, Any]]] | None = None
+        self._lock: _LocalWriterLock | None = None
 
     def setup(self, save_dir: Path, resume_step: int | None) -> None:
         directory = self.save_dir or save_dir
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / self.filename
+        self._lock = _claim(self.path)
         self._rows = []
         self._columns = ["step"]
         self._resumed = None
@@ -235,6 +259,11 @@ class CSVLogger(Logger):
             return
         with open(self.path, "a", newline="") as handle:
             csv.DictWriter(handle, fieldnames=self._columns).writerow(row)
+
+    def finalize(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _rewrite(self) -> None:
         assert self.path is not None
@@ -278,6 +307,7 @@ class TensorBoardLogger(Logger):
     def __init__(self, save_dir: str | os.PathLike[str] | None = None) -> None:
         self.save_dir = None if save_dir is None else Path(save_dir)
         self._writer: Any = None
+        self._lock: _LocalWriterLock | None = None
 
     def setup(self, save_dir: Path, resume_step: int | None) -> None:
         try:
@@ -287,6 +317,8 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
             ) from err
         directory = self.save_dir or save_dir / "tensorboard"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = _claim(directory)
         if resume_step is None:
             _keep_earlier_events(directory)
         make_private_dir(directory)
@@ -309,3 +341,6 @@ class TensorBoardLogger(Logger):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
