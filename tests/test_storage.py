@@ -851,6 +851,24 @@ def test_every_kind_of_credential_option_is_hidden_and_ordinary_options_are_not(
     )
 
 
+def test_download_messages_keep_query_parameter_names_and_hide_only_their_values(
+    http_server: FileServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # docs/coordination.md, "Secrets": the names stay, to debug with (long ones too, which are
+    # also pieces of the query string the Scrubber hides).
+    caplog.set_level(logging.INFO, logger="distkit")
+    http_server.files["/data.bin"] = PAYLOAD
+    query = f"X-Amz-Signature={SECRET}&X-Amz-Date=20300101T000000Z&se=2030"
+    shown = "?X-Amz-Signature=***&X-Amz-Date=***&se=***"
+    distkit.download(http_server.url(f"/data.bin?{query}"), tmp_path / "d.bin")
+    assert f"/data.bin{shown} to " in caplog.text, caplog.text
+    with pytest.raises(FileNotFoundError) as missing:
+        distkit.download(http_server.url(f"/missing.bin?{query}"), tmp_path / "m.bin")
+    assert str(missing.value).startswith(http_server.url(f"/missing.bin{shown} (caused by")), missing.value
+    assert SECRET not in _everything_shown(missing.value) and SECRET not in caplog.text
+    assert "20300101T000000Z" not in _everything_shown(missing.value)  # a long value, under any name
+
+
 # -- the example ----------------------------------------------------------------------------------
 
 

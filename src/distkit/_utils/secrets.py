@@ -20,7 +20,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, quote, quote_plus, unquote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit, urlunsplit
 
 from distkit.errors import DistkitError, MainProcessError
 
@@ -299,11 +299,16 @@ class _SecretSet:
     def __init__(self) -> None:
         self.values: set[str] = set()
 
-    def add(self, value: str) -> None:
+    def add(self, value: str, *, whole: bool = True, pieces: bool = True) -> None:
+        """Hide ``value`` (``whole``) and its parts of 8 characters or more (``pieces``), in each
+        form a library may print them in."""
         if not value or not value.strip("*"):
             return
         for form in {value, unquote(value), unquote_plus(value), quote(value, safe=""), quote_plus(value)}:
-            self.values.add(form)
+            if whole:
+                self.values.add(form)
+            if not pieces:
+                continue
             for piece in re.split(r"[\s;,=&]+", form):
                 if len(piece) >= _PIECE_MIN_LEN:
                     self.values.add(piece)
@@ -349,10 +354,19 @@ class _SecretSet:
             for part in (parts.query, parts.fragment):
                 if not part:
                     continue
-                self.add(part)
-                for name, value in parse_qsl(part, keep_blank_values=True):
-                    if is_secret_name(name):
-                        self.add(value)
+                # The whole query, but not its pieces: the parameters' names are among them, and
+                # names stay shown (redact_url keeps them; they are what a reader debugs with).
+                self.add(part, pieces=False)
+                for field in part.split("&"):
+                    name, sep, value = field.partition("=")
+                    # A bare field (?TOKEN) is all value, hidden whole as redact_url hides it; so is
+                    # a value under a credential's name, however short. Any other value by its
+                    # pieces of 8 characters or more: an issuer's own names (X-Amz-Credential's
+                    # neighbours, Azure's skoid) may still carry ids worth hiding.
+                    whole = not sep or is_secret_name(unquote_plus(name))
+                    value = value if sep else name
+                    self.add(value, whole=whole)
+                    self.add(unquote_plus(value), whole=whole)  # and its percent-encodings
 
 
 def _safe_text(describe: Callable[[Any], str], value: Any) -> str:
