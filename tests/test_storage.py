@@ -781,9 +781,15 @@ def test_credentials_stay_out_of_http_errors_their_whole_chains_and_all_logs(
 
     failures: list[BaseException] = []
     password_url = f"http://user:{SHORT_SECRET}@127.0.0.1:{http_server.port}/missing.bin"
-    for url in (http_server.url("/missing.bin"), missing, password_url):
+    # The URL's user part is the Authorization header: the other headers go with it.
+    other_headers = {"headers": {k: v for k, v in HEADERS.items() if k != "Authorization"}}
+    for url, given in (
+        (http_server.url("/missing.bin"), options),
+        (missing, options),
+        (password_url, other_headers),
+    ):
         with pytest.raises(FileNotFoundError) as info:  # a 404: still a FileNotFoundError
-            distkit.download(url, tmp_path / "d.bin", storage_options=options)
+            distkit.download(url, tmp_path / "d.bin", storage_options=given)
         failures.append(info.value)
     http_server.fail_next(1000)  # 500s: retried, then given up
     for url in (http_server.url(f"/data.bin?sig={SECRET}-sig"), f"http://127.0.0.1:{_closed_port()}/x"):
@@ -867,6 +873,30 @@ def test_download_messages_keep_query_parameter_names_and_hide_only_their_values
     assert str(missing.value).startswith(http_server.url(f"/missing.bin{shown} (caused by")), missing.value
     assert SECRET not in _everything_shown(missing.value) and SECRET not in caplog.text
     assert "20300101T000000Z" not in _everything_shown(missing.value)  # a long value, under any name
+
+
+def test_credentials_given_both_in_the_url_and_a_header_are_refused_naming_the_conflict(
+    http_server: FileServer, tmp_path: Path
+) -> None:
+    # aiohttp refuses to send both, and fsspec reported that as FileNotFoundError(url).
+    http_server.files["/data.bin"] = PAYLOAD
+    url = f"http://user:{SECRET}@127.0.0.1:{http_server.port}/data.bin"
+    twice = r"given twice, in the URL's user part \(user:password@\) and in an Authorization header"
+    options = {"headers": {"authorization": f"Bearer {SECRET}-header"}}
+    with pytest.raises(ValueError, match=twice + r" in storage_options\['headers'\]") as down:
+        distkit.download(url, tmp_path / "d.bin", storage_options=options)
+    client = {"client_kwargs": {"headers": {"Authorization": f"Bearer {SECRET}-header"}}}
+    with pytest.raises(ValueError, match=twice + r" in storage_options\['client_kwargs'\]\['headers'\]"):
+        distkit.download(url, tmp_path / "d.bin", storage_options=client)
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with pytest.raises(ValueError, match=twice) as up:
+        distkit.upload(tmp_path / "a.txt", url, storage_options=options)
+    for failure in (down.value, up.value):
+        assert "Give the credential once" in str(failure) and SECRET not in _everything_shown(failure)
+    assert http_server.requests == [] and not (tmp_path / "d.bin").exists()
+    # Either one alone is sent.
+    assert distkit.download(url, tmp_path / "d.bin").read_bytes() == PAYLOAD
+    distkit.download(http_server.url("/data.bin"), tmp_path / "e.bin", storage_options=options)
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from distkit.storage._transfer import (
     _MARKERS,
     INCOMPLETE_NAME,
     MANIFEST_NAME,
+    _check_http_credentials,
     _label,
     _log,
     _problem_lines,
@@ -470,7 +471,9 @@ def download(
         DistkitError: The source stayed unreachable after the retries (the message names the HTTP
             status of a 5xx, 408 or 429 answer), or an HTTP server gave another 4xx answer.
         MainProcessError: On the ranks that waited, when the fetching rank failed.
-        ValueError: ``sha256`` is malformed, or given for a directory.
+        ValueError: ``sha256`` is malformed, or given for a directory; or an HTTP source gets
+            credentials twice (an ``Authorization`` header beside a URL's ``user:password@`` or an
+            ``auth``), which aiohttp refuses to send.
 
     Example:
         >>> import distkit
@@ -492,6 +495,7 @@ def download(
         timeout_s=coordination._check_timeout(timeout_s),
         scrub=Scrubber(options, source_text),
     )
+    _check_http_credentials(source_text, options, shown=job.shown)
 
     def coordinated() -> Path:
         seen = coordination._run_leader_first(

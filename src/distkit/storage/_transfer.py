@@ -12,8 +12,9 @@ import errno
 import http
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from distkit import coordination, runtime
 from distkit._utils.secrets import Scrubber
@@ -74,6 +75,57 @@ def _problem_lines(problems: list[str]) -> str:
     listed = "".join(f"\n  {problem}" for problem in problems[:_MAX_LISTED])
     more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
     return listed + more
+
+
+# Pairs of places that aiohttp refuses to take credentials from at once: an Authorization header
+# beside any other credential, and a request's auth beside the URL's user part. (A session auth
+# beside the URL's user part is not refused: aiohttp sends the URL's, and that is no error.)
+_CREDENTIAL_CONFLICTS = (("url", "header"), ("header", "auth"), ("header", "client_auth"), ("url", "auth"))
+
+
+def _check_http_credentials(url: str, options: Mapping[str, Any], *, shown: str) -> None:
+    """Refuse an HTTP(S) ``url`` whose credentials are given in two places aiohttp will not combine.
+
+    aiohttp, fsspec's HTTP client, raises ``ValueError("Cannot combine AUTHORIZATION header with
+    AUTH argument or credentials encoded in URL")`` before it sends anything, even when both hold
+    the same credential, and fsspec reports that as ``FileNotFoundError(url)``: a missing file
+    instead of the conflict. ``shown`` is the URL as a message may show it.
+    """
+    if "::" in url or url.partition("://")[0].lower() not in ("http", "https"):
+        return  # not HTTP, or an fsspec chain, whose options are each link's
+    try:
+        parts = urlsplit(url)
+        in_url = bool(parts.username or parts.password)
+    except ValueError:
+        return  # a malformed URL: fsspec names it
+    client = options.get("client_kwargs")
+    client = client if isinstance(client, Mapping) else {}
+    places: dict[str, str] = {}
+    if in_url:
+        places["url"] = "in the URL's user part (user:password@)"
+    for where, headers in (
+        ("'headers'", options.get("headers")),
+        ("'client_kwargs']['headers'", client.get("headers")),
+    ):
+        if isinstance(headers, Mapping) and any(str(key).lower() == "authorization" for key in headers):
+            places.setdefault("header", f"in an Authorization header in storage_options[{where}]")
+    if options.get("auth") is not None:
+        places["auth"] = "in storage_options['auth']"
+    if client.get("auth") is not None:
+        places["client_auth"] = "in storage_options['client_kwargs']['auth']"
+    for first, second in _CREDENTIAL_CONFLICTS:
+        if first in places and second in places:
+            hint = (
+                " (a URL's user:password@ is sent as the header 'Authorization: Basic <base64 of "
+                "user:password>')"
+                if first == "url"
+                else ""
+            )
+            raise ValueError(
+                f"the credentials for {shown} are given twice, {places[first]} and {places[second]}; "
+                f"aiohttp, fsspec's HTTP client, refuses to send a request with both, even when they "
+                f"agree. Give the credential once: remove one of the two{hint}."
+            )
 
 
 # -- retries --------------------------------------------------------------------------------------

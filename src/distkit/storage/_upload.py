@@ -42,6 +42,7 @@ from distkit.storage._transfer import (
     _MARKERS,
     INCOMPLETE_NAME,
     MANIFEST_NAME,
+    _check_http_credentials,
     _is_transient,
     _label,
     _log,
@@ -633,7 +634,8 @@ def upload(
             ``background=True``), a file changed after the check, or the upload failed after
             retries.
         FileNotFoundError: ``source`` does not exist.
-        ValueError: ``dest_url`` has a ``..`` component, or ``source`` is a remote URL.
+        ValueError: ``dest_url`` has a ``..`` component, ``source`` is a remote URL, or an HTTP
+            ``dest_url`` gets credentials twice (as :func:`download` refuses them).
 
     Example:
         >>> import distkit
@@ -647,6 +649,7 @@ def upload(
     dest_text = os.fspath(dest_url)
     options = dict(storage_options or {})
     scrub = Scrubber(options, dest_text)
+    _check_http_credentials(dest_text, options, shown=scrub.url(dest_text))
     handle = UploadHandle(local_source, scrub.url(dest_text))
     if not runtime.is_main_process():
         return handle._finish()
