@@ -1,13 +1,14 @@
 """`distkit checkpoint` never destroys a checkpoint (issue 23, point 4), and ``latest()`` never resumes
 from a step directory that holds another step.
 
-Every checkpoint here is real, made with the public API in a world of one; the command runs through
-``distkit.cli.main`` in this process, or as the real ``distkit`` executable where the exit status of
-the process itself is the point.
+Every checkpoint here is real, made with the public API in a world of one (or, for an export of a
+multi-rank run, on two gloo ranks); the command runs through ``distkit.cli.main`` in this process, or
+as the real ``distkit`` executable where the exit status of the process itself is the point.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+import warnings
 from pathlib import Path
 
 import fsspec
@@ -23,6 +25,7 @@ import torch
 
 import distkit
 from _launch import launcher_free_env
+from distkit.checkpoint import ResumeState
 from distkit.cli import main
 
 
@@ -215,6 +218,44 @@ def test_consolidate_into_an_existing_empty_directory_still_works(tmp_path: Path
     (tmp_path / "export").mkdir()
     assert main(["checkpoint", "consolidate", paths[40], str(tmp_path / "export")]) == 0
     assert saved_step(tmp_path / "export") == 40
+
+
+def save_with_resume_state(directory: str) -> None:
+    torch.manual_seed(100 + distkit.get_rank())  # each rank its own stream
+    distkit.save_checkpoint(directory, {"w": torch.ones(2), "progress": ResumeState(global_step=7)}, step=7)
+
+
+def resume_and_draw(path: str) -> tuple[float, list[str]]:
+    """The first draw of torch's generator after resuming from ``path``, and the warnings the load gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distkit.load_checkpoint(path, {"w": torch.zeros(2), "progress": ResumeState()})
+    return torch.rand(1).item(), [str(warning.message) for warning in caught]
+
+
+def test_a_consolidated_export_names_the_world_size_that_saved_it_and_resumes_on_it_without_a_warning(
+    tmp_path: Path, ranks, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The export's ResumeState holds both ranks' RNG streams: a manifest saying 1 rank (the process
+    # that consolidated) contradicted the warning of a resume in one process ("saved by 2 rank(s)").
+    source, export = str(tmp_path / "ck"), str(tmp_path / "export")
+    ranks.run(save_with_resume_state, source, world_size=2)
+    assert main(["checkpoint", "consolidate", source, export]) == 0
+    assert json.loads((tmp_path / "export" / "manifest.json").read_text())["world_size"] == 2
+    code, out, _ = run_main(capsys, "checkpoint", "inspect", export)
+    assert code == 0 and "format       full (saved by 2 rank(s))" in out, out
+
+    # On as many ranks as saved it, the streams come back exactly, as from the source, unwarned.
+    resumed = ranks.run(resume_and_draw, export, world_size=2)
+    assert resumed == ranks.run(resume_and_draw, source, world_size=2)
+    assert [warned for _, warned in resumed] == [[], []]
+    # In one process the mismatch is real and warned, with the number the manifest gives.
+    _, warned = resume_and_draw(export)
+    assert len(warned) == 1 and "RNG states were saved by 2 rank(s) and this job has 1" in warned[0]
+    # Loading the weights alone (inference) restores no streams and warns about none.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distkit.load_checkpoint(export, {"w": torch.zeros(2)})
 
 
 # --------------------------------------------------------------------------------------------------

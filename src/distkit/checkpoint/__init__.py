@@ -262,8 +262,9 @@ def consolidate_checkpoint(
     ``state.pt`` loads without distkit: ``torch.load(dst + "/state.pt", weights_only=True)`` gives
     ``{"model": {name: tensor}, ...}``. Modules are keyed by parameter name; optimizers are saved by
     parameter name too (``{"state": {name: ...}, "param_groups": [{"params": [name, ...]}]}``),
-    which :func:`load_checkpoint` restores into any optimizer given its module. The step and metrics
-    are kept. The command ``distkit checkpoint consolidate SRC DST`` does the same.
+    which :func:`load_checkpoint` restores into any optimizer given its module. The step, metrics
+    and the world size that saved the state are kept (a :class:`ResumeState` in it holds that many
+    ranks' RNG streams). The command ``distkit checkpoint consolidate SRC DST`` does the same.
 
     Args:
         src: A checkpoint directory (sharded or full), local or fsspec URL.

@@ -216,6 +216,7 @@ def _manifest_builder(
     sharded: Mapping[str, Any] | None = None,
     shard_files: Mapping[str, dict[str, Any]] | None = None,
     source: Mapping[str, str] | None = None,
+    world_size: int | None = None,
 ) -> Callable[[dict[str, Any]], bytes]:
     """The manifest, once ``state.pt``'s size and CRC32 are known.
 
@@ -224,7 +225,8 @@ def _manifest_builder(
     (DCP's files, with their sizes and CRC32) make it a ``distkit-sharded-checkpoint``. ``source``
     (the optional field ``source``: ``{"tool": ..., "version": ...}``) marks a checkpoint that
     ``distkit checkpoint import`` converted from another tool's; readers that do not know the field
-    ignore it, as format 1 allows.
+    ignore it, as format 1 allows. ``world_size`` is that of the job whose state this is: this
+    job's unless given (a consolidated export keeps its source's).
     """
     from distkit._version import __version__
 
@@ -233,7 +235,7 @@ def _manifest_builder(
             "format": _FORMAT if sharded is None else _SHARDED_FORMAT,
             "format_version": _FORMAT_VERSION,
             "step": step,
-            "world_size": runtime.get_world_size(),
+            "world_size": runtime.get_world_size() if world_size is None else world_size,
             "torch_version": torch.__version__,
             "distkit_version": __version__,
             "created_unix": time.time(),

@@ -71,12 +71,14 @@ def _save_checkpoint(
     storage: _Storage | None,
     sharded: bool | str = "auto",
     source: Mapping[str, str] | None = None,
+    world_size: int | None = None,
 ) -> str:
     """:func:`save_checkpoint`, with ``guard`` called by rank 0 before it changes or commits anything
     (a :class:`CheckpointManager`'s writer-lease check), into ``storage`` when it is given (the
     manager's own, so that its scrubber is built once, not at every save). ``source`` (a full
     checkpoint only) records in the manifest which tool wrote what ``distkit checkpoint import``
-    converted."""
+    converted; ``world_size`` (a full checkpoint only) is the manifest's when the state is another
+    job's (a consolidated export)."""
     _check_file_mode(file_mode)
     _check_state(state)
     storage, target = _storage_for(path) if storage is None else (storage, os.fspath(path))
@@ -126,7 +128,7 @@ def _save_checkpoint(
         storage.write_checkpoint(
             target,
             payload,
-            _manifest_builder(step, metrics_json, list(payload), source=source),
+            _manifest_builder(step, metrics_json, list(payload), source=source, world_size=world_size),
             file_mode,
             guard,
         )
@@ -226,6 +228,10 @@ def _consolidate(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, fi
         guard=None,
         storage=None,
         sharded=False,
+        # The state is the source job's, a ResumeState's RNG streams of all its ranks included: the
+        # manifest says that job's world size, not this one process's, so that `inspect` and the
+        # warning of a resume on another world size name the same number.
+        world_size=manifest.get("world_size"),
     )
 
 
