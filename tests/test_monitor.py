@@ -225,6 +225,24 @@ def test_memory_stats_on_cpu_reports_resident_memory_that_follows_allocations() 
     del block
 
 
+@pytest.mark.parametrize(
+    ("bad", "meant"), [("gpu", " (did you mean 'cuda'?)"), ("GPU:1", " (did you mean 'cuda:1'?)"), (-1, "")]
+)
+def test_memory_stats_of_an_unknown_device_names_the_argument_the_value_and_what_it_takes(
+    bad: object, meant: str
+) -> None:
+    # Was torch's RuntimeError listing every device type it knows ("Expected one of cpu, cuda, ipu...").
+    with pytest.raises(ValueError) as refused:
+        distkit.memory_stats(bad)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "memory_stats(): device must be 'cuda' (the current CUDA device), 'cuda:N' or an int N (CUDA "
+        "device N), 'cpu' (this process's memory only), a torch.device, or None (this rank's device), "
+        f"got {bad!r}{meant}."
+    )
+    with pytest.raises(TypeError, match=r"memory_stats\(\): device must be .*, got float 1.5\.$"):
+        distkit.memory_stats(1.5)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_memory_stats_of_a_cuda_device_without_cuda_says_so() -> None:
     with pytest.raises(distkit.DistkitError, match="CUDA is not available"):

@@ -431,6 +431,31 @@ def _host_memory_mib() -> tuple[float, float]:
     return current, peak
 
 
+# What memory_stats(device=...) takes, for its errors.
+_STATS_DEVICES = (
+    "'cuda' (the current CUDA device), 'cuda:N' or an int N (CUDA device N), 'cpu' (this process's "
+    "memory only), a torch.device, or None (this rank's device)"
+)
+
+
+def _stats_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device``; the error names the argument, not torch's list of every
+    device type it knows."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(
+            f"memory_stats(): device must be {_STATS_DEVICES}, got {type(device).__name__} {device!r}."
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        meant = ""
+        if isinstance(device, str) and device.strip().lower().startswith("gpu"):
+            meant = f" (did you mean {'cuda' + device.strip()[3:]!r}?)"
+        raise ValueError(f"memory_stats(): device must be {_STATS_DEVICES}, got {device!r}{meant}.") from None
+
+
 def memory_stats(device: str | int | torch.device | None = None) -> dict[str, float]:
     """Memory of one device and of this process, in MiB.
 
@@ -451,13 +476,16 @@ def memory_stats(device: str | int | torch.device | None = None) -> dict[str, fl
 
     Raises:
         DistkitError: A CUDA device was asked for on a machine without CUDA.
+        ValueError: ``device`` is a string torch does not read as a device (``"gpu"``), or a
+            negative index.
+        TypeError: ``device`` is neither a string, an int, a ``torch.device`` nor ``None``.
 
     Example:
         >>> import distkit
         >>> sorted(distkit.memory_stats("cpu"))
         ['peak_rss_mib', 'rss_mib']
     """
-    dev = runtime.get_device() if device is None else torch.device(device)
+    dev = runtime.get_device() if device is None else _stats_device(device)
     stats: dict[str, float] = {}
     if dev.type == "cuda":
         if not torch.cuda.is_available():
