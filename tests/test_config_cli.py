@@ -415,6 +415,39 @@ def test_a_config_file_that_is_missing_or_not_yaml_is_named(
         assert str(path) in err and expected in err, err
 
 
+def test_a_duplicate_key_in_any_config_file_is_refused_naming_the_file_the_key_and_both_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was: accepted without a word, the last value winning (max_epochs 5, a model without hidden 8).
+    monkeypatch.chdir(tmp_path)
+    Path("run.yaml").write_text("trainer:\n  max_epochs: 3\n  max_epochs: 5\n")
+    Path("two_models.yaml").write_text("model:\n  hidden: 8\ntrainer: {}\nmodel:\n  dropout: 0.5\n")
+    Path("data.yaml").write_text("samples: 32\nseed: 1\nsamples: 48\n")
+    Path("trainer.yaml").write_text("batch_size: 4\n\nbatch_size: 8\n")
+    Path("names_a_file.yaml").write_text("trainer: trainer.yaml\n")
+    cases = [
+        (["--config", "run.yaml"], "duplicate key trainer.max_epochs in run.yaml (lines 2 and 3)"),
+        (["--config", "two_models.yaml"], "duplicate key model in two_models.yaml (lines 1 and 4)"),
+        (["--data", "data.yaml"], "duplicate key data.samples in data.yaml (lines 1 and 3)"),
+        (["--config", "names_a_file.yaml"], "key trainer.batch_size in trainer.yaml (lines 1 and 3)"),
+        (["--trainer", "{batch_size: 4, batch_size: 8}"], "key batch_size in a value on the command line"),
+    ]
+    for args, expected in cases:
+        err = cli_error(["--model.hidden", "4", *args], capsys)
+        assert expected in err and "YAML would keep the last" in err, err
+    assert "Merge the two model: sections into one" in cli_error(["--config", "two_models.yaml"], capsys)
+
+
+def cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The message of a configuration error: exit code 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        make_cli(args, run=True)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "Traceback" not in err, err
+    return err
+
+
 # --------------------------------------------------------------------------------------------------
 # The config travels with the run
 

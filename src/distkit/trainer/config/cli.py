@@ -39,7 +39,7 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
 from distkit import runtime
 from distkit._utils.secrets import Scrubber
 from distkit.seeding import seed_everything
-from distkit.trainer.config import errors as _config_errors
+from distkit.trainer.config import errors as _config_errors, loader as _config_loader
 from distkit.trainer.trainer import Trainer
 
 __all__ = ["TrainerCLI"]
@@ -130,7 +130,8 @@ class TrainerCLI:
         SystemExit: Code 2 after printing what is wrong with the command line or a config file: an
             unknown key (with the value given, and the keys that exist), a value of the wrong type
             (with the expected type), a missing required value, a class path that names something
-            other than a subclass of its key's base. Code 0 after ``--help`` or ``--print_config``.
+            other than a subclass of its key's base, a key written twice in a config file (with
+            both lines). Code 0 after ``--help`` or ``--print_config``.
         ValueError: An import path in ``allow_callables`` that does not import.
         ImportError: jsonargparse is not installed (``pip install 'distkit[config]'``).
 
@@ -251,7 +252,10 @@ class TrainerCLI:
         if description is None:
             main_doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
             description = main_doc.strip().split("\n\n")[0] or "Train a model with distkit."
-        parser = ArgumentParser(description=description, exit_on_error=False)
+        # Our loader refuses a duplicate key in every YAML text the parser reads.
+        parser = ArgumentParser(
+            description=description, exit_on_error=False, parser_mode=_config_loader.parser_mode()
+        )
         parser.add_argument(
             "-c",
             "--config",
@@ -297,6 +301,10 @@ class TrainerCLI:
 
     def _parse(self, argv: list[str]) -> Namespace:
         env = _launch_env()
+        try:
+            _config_loader.check_command_line(argv, _sections(self.parser))
+        except _config_loader.ConfigRefused as slip:
+            self._fail(str(slip), env, argv)
         misshapen = _config_errors.misshapen_sections(argv)
         if misshapen is not None:
             self._fail(misshapen, env, argv)
@@ -307,6 +315,8 @@ class TrainerCLI:
                 config = self.parser.parse_args(argv)
         except SystemExit:
             raise
+        except _config_loader.ConfigRefused as slip:  # in a file that a file or an option names
+            self._fail(str(slip), env, argv)
         except Exception as err:  # jsonargparse's ArgumentError, or a TypeError of a config value
             refused = _config_errors.untrusted_in_raw_input(self.parser, argv, self._allowed)
             self._fail(refused or _config_errors.explain(self.parser, err, argv), env, argv)
@@ -375,6 +385,17 @@ def _add_factory(parser: ArgumentParser, factory: Callable[..., Any], key: str) 
         parser.add_class_arguments(factory, key, instantiate=False, fail_untyped=True)
     else:
         parser.add_function_arguments(factory, key, fail_untyped=True)
+
+
+def _sections(parser: ArgumentParser) -> set[str]:
+    """The groups of options that take a file of their own (``--data data.yaml``): ``model``,
+    ``data``, ``trainer`` and the groups a subclass added."""
+    dests = {action.dest for action in parser._actions}
+    return {
+        action.dest
+        for action in parser._actions
+        if not hasattr(action, "_typehint") and any(dest.startswith(f"{action.dest}.") for dest in dests)
+    }
 
 
 def _call(factory: Callable[..., Any], args: Any) -> Any:

@@ -1,0 +1,173 @@
+"""How :class:`distkit.TrainerCLI` reads YAML: as jsonargparse does, but refusing what a careless
+config means otherwise than it says. Local.
+
+- **A duplicate key** (``max_epochs:`` twice in one ``trainer:``, or two ``model:`` sections): PyYAML
+  keeps the last and drops the first without a word.
+
+It is refused naming the key, the file and the lines. :func:`check_command_line` checks the files a
+command line names (``--config run.yaml``, a section's own file: ``--data data.yaml``, or
+``trainer: trainer.yaml`` in a config file) before jsonargparse reads them, naming each key in
+full; the loader registered by :func:`parser_mode` checks every YAML text jsonargparse loads for
+the parser (any other file, YAML given as a value on the command line), so none is left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from distkit.trainer.config.errors import config_paths
+
+__all__: list[str] = []
+
+#: The jsonargparse ``parser_mode`` under which :func:`load` is registered.
+MODE = "distkit_yaml"
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class ConfigRefused(Exception):
+    """A config text that reads as something else than it says; the message names the key, the file,
+    the line and the fix. Not a loader error of jsonargparse's: it must not be taken for a plain
+    string and parsed on."""
+
+
+def parser_mode() -> str:
+    """Register :func:`load` with jsonargparse (once; under its own mode name, so other parsers keep
+    plain ``yaml``) and return the mode for ``ArgumentParser(parser_mode=...)``. Local."""
+    from jsonargparse import get_loader, set_loader
+
+    with contextlib.suppress(ValueError, KeyError):
+        if get_loader(MODE) is load:
+            return MODE
+    import yaml
+
+    set_loader(MODE, load, (yaml.YAMLError,))
+    return MODE
+
+
+def load(text: str, path: str = "") -> Any:
+    """jsonargparse's YAML loader, after :func:`check_text`. ``path`` is the file when jsonargparse
+    names it, else the file it is loading (a section's own file), else none: a value on the command
+    line (checked before parsing) or a text inside a file already checked."""
+    from jsonargparse import get_loader
+
+    where = str(path) if path else _loading_file()
+    check_text(text, where=where or "a value on the command line")
+    return get_loader("yaml")(text)
+
+
+def check_command_line(argv: list[str], sections: Iterable[str]) -> None:
+    """Refuse a duplicate key in the config files of ``argv`` (``--config FILE``, and a section's own
+    file: ``--data data.yaml``, or ``trainer: trainer.yaml`` in a config file, for a section in
+    ``sections``), before jsonargparse reads them (:class:`ConfigRefused`). Local."""
+    sections = set(sections)
+    for path in config_paths(argv):
+        check_file(path)
+        for section, nested in _section_files(path, sections):
+            check_file(nested, prefix=section)
+    options = {f"--{section}": section for section in sections}
+    for index, argument in enumerate(argv):
+        option, equals, value = argument.partition("=")
+        if option not in options:
+            continue
+        if not equals:
+            value = argv[index + 1] if index + 1 < len(argv) else ""
+        if os.path.isfile(value):
+            check_file(value, prefix=options[option])
+
+
+def check_file(path: str, *, prefix: str = "") -> None:
+    """Refuse a duplicate key in the YAML file at ``path``, whose keys are under ``prefix`` (``data``
+    for ``--data data.yaml``) (:class:`ConfigRefused`); a file that cannot be read or is not YAML is
+    left to the caller. Local."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError):
+        return
+    check_text(text, where=path, prefix=prefix)
+
+
+def _section_files(path: str, sections: set[str]) -> list[tuple[str, str]]:
+    """``(section, file)`` for each section the config file at ``path`` gives as the path of a file
+    (``trainer: trainer.yaml``; jsonargparse reads it relative to ``path``)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for section, value in data.items():
+        if section in sections and isinstance(value, str):
+            nested = os.path.join(os.path.dirname(path), value)
+            if os.path.isfile(nested):
+                found.append((section, nested))
+    return found
+
+
+def check_text(text: str, *, where: str, prefix: str = "") -> None:
+    """Raise :class:`ConfigRefused` for the first duplicate key of the YAML ``text`` (from ``where``,
+    a file; its keys under ``prefix``); YAML that does not parse is left to the loader. Local."""
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return
+    if node is not None:
+        _walk(node, prefix, where, set())
+
+
+def _walk(node: Any, key: str, where: str, seen: set[int]) -> None:
+    import yaml
+
+    if id(node) in seen:  # an alias of a node already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _MERGE_TAG:
+                line, pair = key_node.start_mark.line + 1, (key_node.tag, name)
+                if pair in first_line:
+                    section = isinstance(value_node, yaml.MappingNode)
+                    earlier = first_line[pair]
+                    raise ConfigRefused(_duplicate(_join(key, name), where, earlier, line, section=section))
+                first_line[pair] = line
+            _walk(value_node, _join(key, name), where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk(item, f"{key}[{index}]", where, seen)
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _duplicate(key: str, where: str, first: int, second: int, *, section: bool) -> str:
+    lines = f"lines {first} and {second}" if first != second else f"line {first}, twice"
+    name = key.rpartition(".")[2]
+    fix = f"Merge the two {name}: sections into one" if section else f"Keep one of the two {name}: values"
+    return (
+        f"duplicate key {key} in {where} ({lines}): YAML would keep the last and drop the first without "
+        f"a word. {fix}."
+    )
+
+
+def _loading_file() -> str | None:
+    """The config file jsonargparse is loading, from its (private) load stack; ``None`` when none
+    is, or when this jsonargparse keeps no such stack (then the message names no file)."""
+    with contextlib.suppress(ImportError, AttributeError, LookupError, TypeError, IndexError):
+        stack = importlib.import_module("jsonargparse._util").config_load_stack.get()
+        if stack:
+            return str(stack[-1][1])
+    return None
