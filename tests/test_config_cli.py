@@ -448,6 +448,32 @@ def cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
+def test_a_variable_in_a_config_value_is_refused_naming_the_key_the_file_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was: taken as it is, a run directory literally named ${SCRATCH} made in the working directory.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    Path("run.yaml").write_text("model:\n  hidden: 4\ntrainer:\n  default_root_dir: ${SCRATCH}/runs\n")
+    err = cli_error(["--config", "run.yaml"], capsys)
+    assert "trainer.default_root_dir in run.yaml (line 4) is '${SCRATCH}/runs'" in err, err
+    assert "is not expanded" in err and "Write the value out" in err
+    assert 'where the shell expands it: --trainer.default_root_dir "$SCRATCH/runs"' in err
+    assert not (tmp_path / "${SCRATCH}").exists()
+    # In an optimizer's init args, and in a value on the command line (the shell left it alone).
+    Path("opt.yaml").write_text("optimizer:\n  class_path: SGD\n  init_args:\n    lr: ${LR}\n")
+    err = cli_error(["--model.hidden", "4", "--config", "opt.yaml"], capsys)
+    assert "optimizer.init_args.lr in opt.yaml (line 4)" in err and '--optimizer.lr "$LR"' in err, err
+    err = cli_error(["--model.hidden", "4", "--trainer.default_root_dir", "${SCRATCH}/runs"], capsys)
+    assert "--trainer.default_root_dir is '${SCRATCH}/runs' on the command line" in err, err
+    assert 'in double quotes: --trainer.default_root_dir "$SCRATCH/runs"' in err
+    assert not (tmp_path / "${SCRATCH}").exists()
+    # Expanded by the shell, it runs.
+    Path("run.yaml").write_text("model:\n  hidden: 4\n")
+    cli = make_cli(["--config", "run.yaml", "--trainer.default_root_dir", f"{tmp_path}/scratch/runs"])
+    assert str(cli.trainer.default_root_dir) == f"{tmp_path}/scratch/runs"
+
+
 # --------------------------------------------------------------------------------------------------
 # The config travels with the run
 

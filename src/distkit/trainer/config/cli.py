@@ -131,7 +131,8 @@ class TrainerCLI:
             unknown key (with the value given, and the keys that exist), a value of the wrong type
             (with the expected type), a missing required value, a class path that names something
             other than a subclass of its key's base, a key written twice in a config file (with
-            both lines). Code 0 after ``--help`` or ``--print_config``.
+            both lines), a ``${NAME}`` in a value (expanded by no one). Code 0 after ``--help`` or
+            ``--print_config``.
         ValueError: An import path in ``allow_callables`` that does not import.
         ImportError: jsonargparse is not installed (``pip install 'distkit[config]'``).
 
@@ -252,7 +253,7 @@ class TrainerCLI:
         if description is None:
             main_doc = getattr(sys.modules.get("__main__"), "__doc__", None) or ""
             description = main_doc.strip().split("\n\n")[0] or "Train a model with distkit."
-        # Our loader refuses a duplicate key in every YAML text the parser reads.
+        # Our loader refuses a duplicate key in every YAML text the parser reads, and a ${NAME} in a file.
         parser = ArgumentParser(
             description=description, exit_on_error=False, parser_mode=_config_loader.parser_mode()
         )

@@ -3,8 +3,11 @@ config means otherwise than it says. Local.
 
 - **A duplicate key** (``max_epochs:`` twice in one ``trainer:``, or two ``model:`` sections): PyYAML
   keeps the last and drops the first without a word.
+- **``${NAME}`` in a value** (``default_root_dir: ${SCRATCH}/runs``): nothing expands it, so the run
+  would use the text itself (a directory named ``${SCRATCH}``). distkit does not expand variables
+  either: what a config says is what runs, and ``config.yaml`` records it.
 
-It is refused naming the key, the file and the lines. :func:`check_command_line` checks the files a
+Both are refused naming the key, the file and the line. :func:`check_command_line` checks the files a
 command line names (``--config run.yaml``, a section's own file: ``--data data.yaml``, or
 ``trainer: trainer.yaml`` in a config file) before jsonargparse reads them, naming each key in
 full; the loader registered by :func:`parser_mode` checks every YAML text jsonargparse loads for
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,7 +30,10 @@ __all__: list[str] = []
 #: The jsonargparse ``parser_mode`` under which :func:`load` is registered.
 MODE = "distkit_yaml"
 
+# ``${NAME}`` as a shell, docker compose or OmegaConf writes it (``${oc.env:X}``, ``${model.hidden}``).
+_VARIABLE = re.compile(r"\$\{[^{}\s]+\}")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_STR_TAG = "tag:yaml.org,2002:str"
 
 
 class ConfigRefused(Exception):
@@ -56,15 +63,17 @@ def load(text: str, path: str = "") -> Any:
     from jsonargparse import get_loader
 
     where = str(path) if path else _loading_file()
-    check_text(text, where=where or "a value on the command line")
+    check_text(text, where=where or "a value on the command line", variables=where is not None)
     return get_loader("yaml")(text)
 
 
 def check_command_line(argv: list[str], sections: Iterable[str]) -> None:
-    """Refuse a duplicate key in the config files of ``argv`` (``--config FILE``, and a section's own
-    file: ``--data data.yaml``, or ``trainer: trainer.yaml`` in a config file, for a section in
-    ``sections``), before jsonargparse reads them (:class:`ConfigRefused`). Local."""
+    """Refuse a duplicate key or a ``${NAME}`` in the config files of ``argv`` (``--config FILE``, and
+    a section's own file: ``--data data.yaml``, or ``trainer: trainer.yaml`` in a config file, for a
+    section in ``sections``) and a ``${NAME}`` in its values, before jsonargparse reads them
+    (:class:`ConfigRefused`). Local."""
     sections = set(sections)
+    check_arguments(argv)
     for path in config_paths(argv):
         check_file(path)
         for section, nested in _section_files(path, sections):
@@ -81,9 +90,9 @@ def check_command_line(argv: list[str], sections: Iterable[str]) -> None:
 
 
 def check_file(path: str, *, prefix: str = "") -> None:
-    """Refuse a duplicate key in the YAML file at ``path``, whose keys are under ``prefix`` (``data``
-    for ``--data data.yaml``) (:class:`ConfigRefused`); a file that cannot be read or is not YAML is
-    left to the caller. Local."""
+    """Refuse a duplicate key or a ``${NAME}`` in the YAML file at ``path``, whose keys are under
+    ``prefix`` (``data`` for ``--data data.yaml``) (:class:`ConfigRefused`); a file that cannot be
+    read or is not YAML is left to the caller. Local."""
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -113,9 +122,31 @@ def _section_files(path: str, sections: set[str]) -> list[tuple[str, str]]:
     return found
 
 
-def check_text(text: str, *, where: str, prefix: str = "") -> None:
+def check_arguments(argv: list[str]) -> None:
+    """Refuse a ``${NAME}`` in a value on the command line (:class:`ConfigRefused`): the shell did
+    not expand it (single quotes, or a launcher that runs no shell), and distkit does not. Local."""
+    for index, argument in enumerate(argv):
+        found = _VARIABLE.search(argument)
+        if found is None:
+            continue
+        option, equals, value = argument.partition("=")
+        if not (equals and option.startswith("-")):
+            option, value = (argv[index - 1], argument) if index else ("", argument)
+        if not option.startswith("-"):
+            option = "the option"
+        variable = found.group(0)
+        raise ConfigRefused(
+            f"{option} is {_quoted(value)} on the command line: {variable} was not expanded (the shell "
+            f"leaves it in single quotes, and a launcher that runs no shell leaves it as it is), and "
+            f"distkit does not expand it, so the run would use that text as it is. Write the value out, "
+            f'or let the shell expand it in double quotes: {option} "{_shell(value, variable)}".'
+        )
+
+
+def check_text(text: str, *, where: str, prefix: str = "", variables: bool = True) -> None:
     """Raise :class:`ConfigRefused` for the first duplicate key of the YAML ``text`` (from ``where``,
-    a file; its keys under ``prefix``); YAML that does not parse is left to the loader. Local."""
+    a file; its keys under ``prefix``), or with ``variables`` its first ``${NAME}`` value; YAML that
+    does not parse is left to the loader. Local."""
     import yaml
 
     try:
@@ -123,10 +154,10 @@ def check_text(text: str, *, where: str, prefix: str = "") -> None:
     except yaml.YAMLError:
         return
     if node is not None:
-        _walk(node, prefix, where, set())
+        _walk(node, prefix, where, variables, set())
 
 
-def _walk(node: Any, key: str, where: str, seen: set[int]) -> None:
+def _walk(node: Any, key: str, where: str, variables: bool, seen: set[int]) -> None:
     import yaml
 
     if id(node) in seen:  # an alias of a node already checked
@@ -143,10 +174,15 @@ def _walk(node: Any, key: str, where: str, seen: set[int]) -> None:
                     earlier = first_line[pair]
                     raise ConfigRefused(_duplicate(_join(key, name), where, earlier, line, section=section))
                 first_line[pair] = line
-            _walk(value_node, _join(key, name), where, seen)
+            _walk(value_node, _join(key, name), where, variables, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, f"{key}[{index}]", where, seen)
+            _walk(item, f"{key}[{index}]", where, variables, seen)
+    elif variables and isinstance(node, yaml.ScalarNode) and node.tag == _STR_TAG:
+        found = _VARIABLE.search(str(node.value))
+        if found is not None:
+            line = node.start_mark.line + 1
+            raise ConfigRefused(_variable(key, str(node.value), found.group(0), where, line))
 
 
 def _join(key: str, name: str) -> str:
@@ -161,6 +197,26 @@ def _duplicate(key: str, where: str, first: int, second: int, *, section: bool) 
         f"duplicate key {key} in {where} ({lines}): YAML would keep the last and drop the first without "
         f"a word. {fix}."
     )
+
+
+def _variable(key: str, value: str, variable: str, where: str, line: int) -> str:
+    option = key.replace(".init_args.", ".") or "KEY"
+    return (
+        f"{key or 'the value'} in {where} (line {line}) is {_quoted(value)}: {variable} is not expanded "
+        f"in a config file (distkit expands no variables: what the file says is what runs), so the run "
+        f"would use that text as it is. Write the value out in the file, or take it out of the file and "
+        f'give it on the command line, where the shell expands it: --{option} "{_shell(value, variable)}".'
+    )
+
+
+def _shell(value: str, variable: str) -> str:
+    """``value`` with ``${NAME}`` as a shell expands it in double quotes (``$NAME``)."""
+    name = variable[2:-1]
+    return value.replace(variable, f"${name}") if re.fullmatch(r"[A-Za-z_]\w*", name) else value
+
+
+def _quoted(value: str) -> str:
+    return repr(value if len(value) <= 200 else value[:200] + "...")
 
 
 def _loading_file() -> str | None:
