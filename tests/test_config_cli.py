@@ -360,6 +360,41 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": [0.1]}},
             ["optimizer.init_args in ", "bad.yaml is a list ([0.1]), not a mapping"],
         ),
+        # A list quoted whole (was: "(given '[0.9')", cut at its first comma).
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"betaz": [0.9, 0.999]}}},
+            [
+                "unknown key optimizer.betaz in",
+                "bad.yaml (given [0.9, 0.999])",
+                "Did you mean optimizer.betas?",
+            ],
+        ),
+        (
+            ["--model.hidden", "4", "--optimizer.betaz=[0.9, 0.999]"],
+            None,
+            ["unknown key optimizer.betaz on the command line (given '[0.9, 0.999]')"],
+        ),
+        (
+            ["--model.hidden", "4", "--optimizer", "{class_path: AdamW, init_args: {betaz: [0.9, 0.999]}}"],
+            None,
+            ["unknown key optimizer.betaz (given '[0.9, 0.999]')"],
+        ),
+        (
+            ["--model.hidden", "4", "--modle.hidden=[8, 16]"],
+            None,
+            ["unknown key modle.hidden on the command line (given '[8, 16]')"],
+        ),
+        # Unquoted, the shell split it (was: "expected tuple, got '[0.9,'").
+        (
+            ["--model.hidden", "4", "--optimizer.betas", "[0.9,", "0.999]"],
+            None,
+            [
+                "--optimizer.betas: the shell split the value '[0.9, 0.999]' at its spaces",
+                "got '[0.9,'",
+                "Quote the value whole: --optimizer.betas '[0.9, 0.999]'",
+            ],
+        ),
     ],
     ids=[
         "unknown-cli",
@@ -382,6 +417,11 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "two-dots",
         "model-as-a-list",
         "init-args-as-a-list",
+        "list-value-of-an-unknown-key-in-file",
+        "list-value-of-an-unknown-key-cli",
+        "list-value-of-an-unknown-key-in-a-value",
+        "list-value-of-an-unknown-top-level-key",
+        "list-split-by-the-shell",
     ],
 )
 def test_bad_input_names_the_key_the_value_and_what_was_expected(
@@ -400,6 +440,13 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected(
     assert "error: " in err and "Traceback" not in err
     for part in expected:
         assert part in err, (part, err)
+
+
+def test_a_long_value_in_a_message_is_cut_with_an_ellipsis(capsys: pytest.CaptureFixture[str]) -> None:
+    value = "[" + ", ".join(str(i) for i in range(400)) + "]"
+    err = cli_error(["--model.hidden", "4", f"--optimizer.betaz={value}"], capsys)
+    given = err.split("(given ", 1)[1].split("). Did you mean", 1)[0]
+    assert given.startswith("'[0, 1, 2, ") and given.endswith("...") and len(given) == 200, given
 
 
 def test_a_config_file_that_is_missing_or_not_yaml_is_named(

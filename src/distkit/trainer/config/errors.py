@@ -21,6 +21,22 @@ from jsonargparse import ArgumentParser
 __all__: list[str] = []
 
 
+# A value quoted in a message is shown whole up to this many characters (a few lines of a terminal),
+# then cut with an ellipsis: enough for any option's value, not a pasted file.
+_SHOWN_CHARS = 200
+
+
+def shown(value: Any) -> str:
+    """``value`` as a message quotes it: its repr, whole, or cut with ``...`` past 200 characters. Local.
+
+    Example:
+        >>> shown([0.9, 0.999])
+        '[0.9, 0.999]'
+    """
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
     """jsonargparse's error, restated as key, value and expected type with the fix."""
     text = str(err)
@@ -31,6 +47,9 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
     broken = _broken_config_file(argv)
     if broken is not None:
         return broken
+    split = _split_by_the_shell(argv)
+    if split is not None:
+        return f"{split} {fix}"
 
     found = re.match(r"unrecognized arguments: (\S+)(?: (.*))?", text)
     if found:
@@ -41,6 +60,8 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
             key, value = key.split("=", 1)
         elif rest and not rest.startswith("-"):
             value = rest.split()[0]
+        # The error's text joins the arguments with spaces: the value as given is argv's.
+        value = _value_on_command_line(argv, key) or value
         return _unknown(key, value, actions, "on the command line", fix)
 
     inner = re.search(r"(?:Group '([^']+)' does not accept|Option '([^']+)' is not accepted)", text)
@@ -48,14 +69,14 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
         outer = re.findall(r'Parser key "([^"]+)"', text)
         group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", text)
         key = f"{group.group(1)}.{group.group(2)}" if group else ".".join([*outer[:1], inner.group(2)])
-        value = _value_in_namespace_text(text, key.rsplit(".", 1)[-1])
-        where = ""
-        typed = _value_on_command_line(argv, key)
-        if typed is not None:
-            value, where = value if value is not None else typed, "on the command line"
-        elif value is None:
+        # The value as given (on the command line, or in the file that has it), else as jsonargparse
+        # shows it in its namespace.
+        value, where = _value_on_command_line(argv, key), "on the command line"
+        if value is None:
             value, path = _value_in_config_files(argv, key)
-            where = f"in {path}" if path else "in a config file"
+            where = f"in {path}" if path else ""
+        if value is None:
+            value = _value_in_namespace_text(text, key.rsplit(".", 1)[-1])
         return _unknown(key, value, actions, where, fix, text)
 
     found = re.search(r"the following arguments are required: (.*)", text)
@@ -85,9 +106,9 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
         if unresolved is not None:
             return f"{unresolved} {fix}"
         expected = _expected(action) if action is not None else _expected_from_text(text)
-        shown = f"{value_text!r}" if value_text is not None else "the value given"
+        quoted = shown(value_text) if value_text is not None else "the value given"
         return (
-            f"{key}: expected {expected}, got {shown}. Set it on the command line (--{key} VALUE) or in "
+            f"{key}: expected {expected}, got {quoted}. Set it on the command line (--{key} VALUE) or in "
             f"a --config file. {fix}"
         )
     return f"{_tidy(text)}\n{fix}"
@@ -203,7 +224,7 @@ def _unknown(key: str, value: Any, actions: Mapping[str, Any], where: str, fix: 
     if where:
         message += f" {where}"
     if value is not None:
-        message += f" (given {value!r})"
+        message += f" (given {shown(value)})"
     message += "."
     # A group of options (trainer, optimizer), or one option holding classes (trainer.callbacks,
     # trainer.logger), whose init args the key names.
@@ -260,8 +281,71 @@ def _init_arg_names(text: str, group: str) -> list[str]:
 
 
 def _value_in_namespace_text(text: str, name: str) -> Any:
-    found = re.search(rf"\b{re.escape(name)}=('[^']*'|[^,)]+)", text)
-    return found.group(1).strip("'") if found else None
+    """The value after ``name=`` in a Namespace's repr, whole: up to the comma or parenthesis that
+    closes it, past those inside brackets or quotes (``betas=[0.9, 0.999]``)."""
+    found = re.search(rf"\b{re.escape(name)}=", text)
+    if found is None:
+        return None
+    depth, quote, escaped, end = 0, "", False, len(text)
+    for index in range(found.end(), len(text)):
+        char = text[index]
+        if escaped:
+            escaped = False
+        elif quote:
+            escaped = char == "\\"
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}" and depth:
+            depth -= 1
+        elif char in ",)]}" and not depth:  # the end of this value
+            end = index
+            break
+    value = text[found.end() : end].strip()
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
+def _split_by_the_shell(argv: list[str]) -> str | None:
+    """Why an option got a piece of a list or mapping: written unquoted with spaces
+    (``--optimizer.betas [0.9, 0.999]``), the shell split it, and the option got ``[0.9,`` while
+    ``0.999]`` became an argument of its own. ``None`` when no value is split so."""
+    for index, argument in enumerate(argv[:-1]):
+        option, equals, value = argument.partition("=")
+        if not option.startswith("--"):
+            continue
+        start = index if equals else index + 1
+        if not equals:
+            value = argv[start] if start < len(argv) else ""
+        if _open_brackets(value) <= 0:
+            continue
+        parts = [value]
+        for following in argv[start + 1 :]:
+            parts.append(following)
+            if _open_brackets(" ".join(parts)) <= 0:
+                whole = " ".join(parts)
+                return (
+                    f"{option}: the shell split the value {shown(whole)} at its spaces, so {option} got "
+                    f"{shown(value)} and the rest became arguments of their own. Quote the value whole: "
+                    f"{option} '{whole}' (or write it without spaces)."
+                )
+    return None
+
+
+def _open_brackets(text: str) -> int:
+    """How many brackets ``[``/``{`` of ``text`` are left open (quoted text aside)."""
+    depth, quote = 0, ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+    return depth
 
 
 def config_paths(argv: list[str]) -> list[str]:
@@ -438,8 +522,8 @@ def misshapen_sections(argv: list[str]) -> str | None:
         for key, value in shapes:
             if value is not None and not isinstance(value, dict):
                 return (
-                    f"{key} in {path} is a {type(value).__name__} ({value!r}), not a mapping of argument "
-                    f"names to values: write each argument by name ({key}: {{name: value, ...}}); "
+                    f"{key} in {path} is a {type(value).__name__} ({shown(value)}), not a mapping of "
+                    f"argument names to values: write each argument by name ({key}: {{name: value, ...}}); "
                     f"--print_config shows the names."
                 )
     return None
