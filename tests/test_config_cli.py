@@ -395,6 +395,12 @@ def test_help_lists_every_option_with_type_default_and_docstring(
                 "Quote the value whole: --optimizer.betas '[0.9, 0.999]'",
             ],
         ),
+        # The expected type alone (was: "expected tuple with 2 elements. Got value, got ...").
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"betas": [0.9, 0.999, 0.5]}}},
+            ["optimizer.betas: expected tuple with 2 elements, got '[0.9, 0.999, 0.5]'."],
+        ),
     ],
     ids=[
         "unknown-cli",
@@ -422,6 +428,7 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "list-value-of-an-unknown-key-in-a-value",
         "list-value-of-an-unknown-top-level-key",
         "list-split-by-the-shell",
+        "tuple-of-the-wrong-length-in-file",
     ],
 )
 def test_bad_input_names_the_key_the_value_and_what_was_expected(

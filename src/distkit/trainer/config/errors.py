@@ -445,7 +445,8 @@ def _expected_from_text(text: str) -> str:
     subtypes = re.search(r"Subtypes: \[(.*)\]", text)
     if subtypes:
         return _tidy(subtypes.group(1)).replace(", ", " | ")
-    found = re.findall(r"Expected a (<class '[^']+'>|[\w. ]+)", text)
+    # A dotted name, not the sentence after it: "Expected a tuple with 2 elements. Got value: ...".
+    found = re.findall(r"Expected a (<class '[^']+'>|[\w ]+(?:\.\w+)*)", text)
     return " | ".join(_tidy(f) for f in found) if found else "a value of another type"
 
 
