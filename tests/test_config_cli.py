@@ -449,6 +449,32 @@ def test_bad_input_names_the_key_the_value_and_what_was_expected(
         assert part in err, (part, err)
 
 
+def test_a_section_given_something_else_than_its_arguments_names_the_value_and_what_belongs_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    # Was: "data.data: expected a value of another type, got the value given."
+    err = cli_error(["--model.hidden", "4", "--data", "hello"], capsys)
+    assert "data on the command line is 'hello', not a mapping of argument names" in err, err
+    assert "(no file 'hello' exists)" in err and "--data.samples VALUE" in err
+    assert "--data '{samples: ..., seed: ...}'" in err and "data accepts: samples (int), seed (int)." in err
+    assert "data.data" not in err and "the value given" not in err
+    Path("data.yaml").write_text('model: {hidden: 4}\ndata: "hello"\n')
+    err = cli_error(["--config", "data.yaml"], capsys)
+    assert "data in data.yaml is a str ('hello'), not a mapping of argument names to values" in err, err
+    assert "data: {samples: ..., seed: ...}. data accepts: samples (int), seed (int)." in err
+    # Was: "invalid trainer options: vars() argument must have __dict__ attribute".
+    Path("trainer.yaml").write_text("model: {hidden: 4}\ntrainer: [1, 2]\n")
+    err = cli_error(["--config", "trainer.yaml"], capsys)
+    assert "trainer in trainer.yaml is a list ([1, 2]), not a mapping" in err, err
+    assert "trainer accepts: strategy (" in err and "more (--help lists them)." in err
+    # The path of the section's own file belongs there (was refused for model: and data:).
+    Path("model.yaml").write_text("hidden: 32\ndropout: 0.5\n")
+    Path("run.yaml").write_text("model: model.yaml\n")
+    cli = make_cli(["--config", "run.yaml", "--model.dropout", "0.25"])
+    assert cli.run_config["model"] == {"hidden": 32, "dropout": 0.25}
+
+
 def test_a_long_value_in_a_message_is_cut_with_an_ellipsis(capsys: pytest.CaptureFixture[str]) -> None:
     value = "[" + ", ".join(str(i) for i in range(400)) + "]"
     err = cli_error(["--model.hidden", "4", f"--optimizer.betaz={value}"], capsys)

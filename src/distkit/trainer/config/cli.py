@@ -303,10 +303,10 @@ class TrainerCLI:
     def _parse(self, argv: list[str]) -> Namespace:
         env = _launch_env()
         try:
-            _config_loader.check_command_line(argv, _sections(self.parser))
+            _config_loader.check_command_line(argv, _config_errors.sections(self.parser))
         except _config_loader.ConfigRefused as slip:
             self._fail(str(slip), env, argv)
-        misshapen = _config_errors.misshapen_sections(argv)
+        misshapen = _config_errors.misshapen_sections(argv, self.parser)
         if misshapen is not None:
             self._fail(misshapen, env, argv)
         # --help and --print_config print once per job, not once per rank.
@@ -386,17 +386,6 @@ def _add_factory(parser: ArgumentParser, factory: Callable[..., Any], key: str) 
         parser.add_class_arguments(factory, key, instantiate=False, fail_untyped=True)
     else:
         parser.add_function_arguments(factory, key, fail_untyped=True)
-
-
-def _sections(parser: ArgumentParser) -> set[str]:
-    """The groups of options that take a file of their own (``--data data.yaml``): ``model``,
-    ``data``, ``trainer`` and the groups a subclass added."""
-    dests = {action.dest for action in parser._actions}
-    return {
-        action.dest
-        for action in parser._actions
-        if not hasattr(action, "_typehint") and any(dest.startswith(f"{action.dest}.") for dest in dests)
-    }
 
 
 def _call(factory: Callable[..., Any], args: Any) -> Any:

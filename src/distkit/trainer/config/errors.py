@@ -10,6 +10,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
 import re
 import types
 import typing
@@ -90,11 +91,23 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
             )
         return " ".join(lines) + " " + fix
 
+    unloaded = re.match(r"Parser key \"([^\"]+)\":\s*Unable to load config '(.*)'", text)
+    groups = sections(parser)
+    if unloaded and unloaded.group(1) in groups:
+        key = unloaded.group(1)
+        value = _value_on_command_line(argv, key)
+        if value is None:
+            value = _value_in_config_files(argv, key)[0]
+        if value is None:
+            value = unloaded.group(2)
+        return f"{_not_a_section(key, value, argv, groups[key])} {fix}"
+
     keys = re.findall(r'Parser key "([^"]+)"', text)
     if keys:
         key = keys[0]
         for inner_key in keys[1:]:
-            key = inner_key if inner_key.startswith(key + ".") else f"{key}.{inner_key}"
+            if inner_key != key:  # a nested error names its key again ("data" in "data")
+                key = inner_key if inner_key.startswith(key + ".") else f"{key}.{inner_key}"
         given = re.search(r"(?:Given value|Got value): (.*)", text)
         value_text = given.group(1).strip() if given else None
         if value_text is not None:  # a nested error ends with the whole namespace: keep the value
@@ -499,13 +512,16 @@ def untrusted_class_path(
     return None
 
 
-def misshapen_sections(argv: list[str]) -> str | None:
-    """Why a ``--config`` file's ``model:``/``data:`` section, or an ``init_args``, is not a mapping of
-    argument names, or ``None``. jsonargparse takes a list there and, when an option such as
-    ``--model.hidden 16`` comes after, drops it for a mapping of that option alone: the other values
-    the file meant (``model: [32, 0.9]``'s 0.9) are lost without a word. Local."""
+def misshapen_sections(argv: list[str], parser: ArgumentParser | None = None) -> str | None:
+    """Why a ``--config`` file's section (``model:``, ``data:``, ``trainer:`` or a group of the
+    parser's), or an ``init_args``, is not a mapping of argument names, or ``None``. jsonargparse takes
+    a list there and, when an option such as ``--model.hidden 16`` comes after, drops it for a mapping
+    of that option alone: the other values the file meant (``model: [32, 0.9]``'s 0.9) are lost
+    without a word (and ``trainer: [1, 2]`` failed later with a TypeError). A section may be the path
+    of its own YAML file, relative to the config file (``model: model.yaml``). Local."""
     import yaml
 
+    groups = sections(parser) if parser is not None else {"model": [], "data": []}
     for path in config_paths(argv):
         try:
             with open(path, encoding="utf-8") as handle:
@@ -514,20 +530,74 @@ def misshapen_sections(argv: list[str]) -> str | None:
             continue  # jsonargparse names these
         if not isinstance(data, dict):
             continue
-        shapes = [(key, data.get(key)) for key in ("model", "data")]
+        shapes = [(key, data.get(key), groups[key]) for key in groups]
         shapes += [
-            (f"{key}.init_args", data[key].get("init_args"))
+            (f"{key}.init_args", data[key].get("init_args"), [])
             for key in ("optimizer", "lr_scheduler")
             if isinstance(data.get(key), dict)
         ]
-        for key, value in shapes:
-            if value is not None and not isinstance(value, dict):
-                return (
-                    f"{key} in {path} is a {type(value).__name__} ({shown(value)}), not a mapping of "
-                    f"argument names to values: write each argument by name ({key}: {{name: value, ...}}); "
-                    f"--print_config shows the names."
-                )
+        for key, value, arguments in shapes:
+            if value is None or isinstance(value, dict):
+                continue
+            own_file = isinstance(value, str) and not key.endswith(".init_args")
+            if own_file and os.path.isfile(os.path.join(os.path.dirname(path), value)):
+                continue  # the section's own file: jsonargparse reads it
+            nor = " nor the path of a YAML file" if own_file else ""
+            kind = type(value).__name__
+            return (
+                f"{key} in {path} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} ({shown(value)}), not a "
+                f"mapping of argument names to values{nor}: write each argument by name, {key}: "
+                f"{_example(arguments)}.{_accepts(key, arguments) or ' --print_config shows the names.'}"
+            )
     return None
+
+
+def sections(parser: ArgumentParser) -> dict[str, list[str]]:
+    """The groups of options that take a mapping or a file of their own (``model``, ``data``,
+    ``trainer`` and the groups a subclass added), each with its arguments as a message lists them:
+    ``{"data": ["samples (int)", "seed (int)"], ...}``. Local."""
+    actions = {action.dest: action for action in parser._actions}
+    found: dict[str, list[str]] = {}
+    for dest, action in actions.items():
+        children = [d for d in actions if d.startswith(f"{dest}.") and not d.endswith(".help")]
+        if hasattr(action, "_typehint") or not children:
+            continue
+        direct = [d for d in children if "." not in d[len(dest) + 1 :]]
+        found[dest] = [f"{d[len(dest) + 1 :]} ({_expected(actions[d])})" for d in direct]
+    return found
+
+
+def _example(arguments: list[str]) -> str:
+    """``{hidden: ..., dropout: ...}``: a mapping of a section's first arguments."""
+    names = [argument.split(" ", 1)[0] for argument in arguments[:2]] or ["name"]
+    more = ", ..." if len(arguments) > 2 or not arguments else ""
+    return "{" + ", ".join(f"{name}: ..." for name in names) + more + "}"
+
+
+def _accepts(key: str, arguments: list[str]) -> str:
+    if not arguments:
+        return ""
+    listed = ", ".join(arguments[:12])
+    if len(arguments) > 12:
+        listed += f" and {len(arguments) - 12} more (--help lists them)"
+    return f" {key} accepts: {listed}."
+
+
+def _not_a_section(key: str, value: Any, argv: list[str], arguments: list[str]) -> str:
+    """What a section (``data``) given something other than a mapping or a file of one gets told:
+    the value, where, what belongs there (its arguments by name) and how to write it."""
+    example = _example(arguments)
+    if _value_on_command_line(argv, key) is not None:
+        first = arguments[0].split(" ", 1)[0] if arguments else "NAME"
+        where, fix = "on the command line", f"--{key}.{first} VALUE, or all as a mapping, --{key} '{example}'"
+    else:
+        _, path = _value_in_config_files(argv, key)
+        where, fix = (f"in {path}" if path else "in a config file"), f"{key}: {example}"
+    missing = f" (no file {value!r} exists)" if isinstance(value, str) and not os.path.exists(value) else ""
+    return (
+        f"{key} {where} is {shown(value)}, not a mapping of argument names to values nor the path of a "
+        f"YAML file holding one{missing}: give each argument by name, {fix}.{_accepts(key, arguments)}"
+    )
 
 
 def untrusted_in_raw_input(parser: ArgumentParser, argv: list[str], allowed: Sequence[Any]) -> str | None:
