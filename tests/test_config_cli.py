@@ -661,6 +661,27 @@ def test_resume_with_a_changed_model_is_refused_naming_keys_values_and_fix(tmp_p
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]["hidden"] == 4
 
 
+def test_a_resume_path_where_nothing_exists_stops_with_exit_2_naming_the_path_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: a FileNotFoundError traceback from fit's restore, exit status 1.
+    missing = tmp_path / "does" / "not" / "exist"
+    err = cli_error(run_args(tmp_path / "run", "--trainer.resume", str(missing)), capsys)
+    assert f"trainer.resume: no checkpoint at {missing}: nothing exists there." in err, err
+    assert "Give --trainer.resume auto" in err and "`distkit checkpoint list DIRECTORY`" in err
+    err = cli_error(run_args(tmp_path / "run", "--trainer.resume", "memory://distkit-no-such/ckpt"), capsys)
+    assert "no checkpoint at memory://distkit-no-such/ckpt" in err and "memory:// lives inside one" in err
+    config = write_yaml(tmp_path / "run.yaml", {"trainer": {"resume": str(missing)}})
+    err = cli_error(run_args(tmp_path / "run", "--config", config), capsys)
+    assert f"Fix trainer.resume in {config}" in err, err
+    assert not (tmp_path / "run").exists()  # nothing was trained
+    # An existing checkpoint, given by its path, resumes.
+    make_cli(run_args(tmp_path), run=True)
+    last = max(p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    cli = make_cli(run_args(tmp_path, "--trainer.resume", str(last), "--trainer.max_epochs", "2"), run=True)
+    assert cli.trainer.current_epoch == 2
+
+
 def test_resume_auto_without_a_checkpoint_starts_fresh_with_the_changed_model(tmp_path: Path) -> None:
     # A first run that saved no checkpoint left only its config.yaml: nothing to continue.
     make_cli(run_args(tmp_path, "--trainer.enable_checkpointing", "false"), run=True)

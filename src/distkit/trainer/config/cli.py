@@ -37,7 +37,7 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
     ) from _err
 
 from distkit import runtime
-from distkit._utils.secrets import Scrubber
+from distkit._utils.secrets import Scrubber, redact_url
 from distkit.seeding import seed_everything
 from distkit.trainer.config import errors as _config_errors, loader as _config_loader
 from distkit.trainer.trainer import Trainer
@@ -131,8 +131,8 @@ class TrainerCLI:
             unknown key (with the value given, and the keys that exist), a value of the wrong type
             (with the expected type), a missing required value, a class path that names something
             other than a subclass of its key's base, a key written twice in a config file (with
-            both lines), a ``${NAME}`` in a value (expanded by no one). Code 0 after ``--help`` or
-            ``--print_config``.
+            both lines), a ``${NAME}`` in a value (expanded by no one), a ``trainer.resume`` where no
+            checkpoint exists. Code 0 after ``--help`` or ``--print_config``.
         ValueError: An import path in ``allow_callables`` that does not import.
         ImportError: jsonargparse is not installed (``pip install 'distkit[config]'``).
 
@@ -371,6 +371,9 @@ class TrainerCLI:
             # The Trainer's own checks of its options (a value out of range, an unknown strategy):
             # a slip in the config or on the command line, said as one, not as a traceback.
             self._fail(_config_errors.explain_trainer_option(self.parser, err, argv), _launch_env(), argv)
+        missing = _missing_resume(self.trainer.resume, argv)
+        if missing is not None:
+            self._fail(missing, _launch_env(), argv)
         # The Trainer carries it to fit's set-up (and to the processes fit starts): saved as
         # config.yaml, logged as hparams, compared on resume and across ranks.
         self.trainer.run_config = self.run_config
@@ -378,6 +381,32 @@ class TrainerCLI:
 
 # ------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
+    """Why ``trainer.resume`` names no checkpoint (a path or URL where nothing exists, or a URL
+    distkit cannot read), or ``None``. The Trainer finds it only in ``fit``, after the process group
+    and the loaders are up, as a ``FileNotFoundError`` traceback; a config's slip is said before."""
+    from distkit.checkpoint._files import _missing_hint, _storage_for
+
+    if resume is None or resume == "auto":
+        return None
+    where = _config_errors.where_to_fix(argv, "trainer.resume", "PATH")
+    try:
+        storage, path = _storage_for(resume)
+    except ValueError as err:  # a file:// URL a slash short, an unknown protocol
+        return f"trainer.resume: {err} {where}"
+    try:
+        if storage.kind(path) is not None:
+            return None
+    except Exception:  # a store that cannot be asked now (credentials, network): the restore says why
+        return None
+    return (
+        f"trainer.resume: no checkpoint at {redact_url(resume)}: nothing exists there."
+        f"{_missing_hint(resume)} Give --trainer.resume auto to continue the newest checkpoint in "
+        f"trainer.default_root_dir (a fresh start when it holds none), or the path of an existing "
+        f"checkpoint (`distkit checkpoint list DIRECTORY` lists a directory's checkpoints). {where}"
+    )
 
 
 def _add_factory(parser: ArgumentParser, factory: Callable[..., Any], key: str) -> None:

@@ -135,12 +135,12 @@ def explain_trainer_option(parser: ArgumentParser, err: BaseException, argv: lis
     if not named:
         return f"invalid trainer options: {err} --help lists every option with its type and default."
     key = f"trainer.{named[0]}"
-    where = _where_to_fix(argv, key, "VALUE")
+    where = where_to_fix(argv, key, "VALUE")
     return f"{key}: {err} {where} --help lists every option with its type and default."
 
 
-def _where_to_fix(argv: list[str], key: str, metavar: str) -> str:
-    """Where to change ``key``: the config file that set it, unless the command line did."""
+def where_to_fix(argv: list[str], key: str, metavar: str) -> str:
+    """Where to change ``key``: the config file that set it, unless the command line did. Local."""
     _, in_file = _value_in_config_files(argv, key)
     if in_file is not None and _value_on_command_line(argv, key) is None:
         return f"Fix {key} in {in_file}, or set it on the command line (--{key} {metavar})."
@@ -177,7 +177,7 @@ def _unresolved_class(key: str, value: str | None, action: Any, argv: list[str])
     advice = (
         f"Did you mean {close}?" if close else f"Give a subclass of {_names(bases)} (a name or import path)."
     )
-    return f"{key}: {path} names no class ({why}). {advice} {_where_to_fix(argv, key, 'CLASS')}"
+    return f"{key}: {path} names no class ({why}). {advice} {where_to_fix(argv, key, 'CLASS')}"
 
 
 def _missing_part(path: str) -> str | None:
