@@ -90,6 +90,8 @@ class Run:
     params: list[nn.Parameter]
     sentinel: nn.Parameter | None
     scan_all: bool
+    # How the sentinel's gradient is read (Strategy.sentinel_reader; None without a sentinel).
+    read_sentinel: Callable[[torch.Tensor], float] | None
     # The generators a forward pass draws from (CPU, and this rank's CUDA device).
     generators: list[torch.Generator]
     # Batches per epoch on this rank (None: a stream, whose length is known once read), samples

@@ -132,6 +132,9 @@ def run_epoch(run: Run) -> None:
                 loss, extras = _mean_over_devices(loss, extras)
             # The one host sync of a micro-batch, after the forward pass.
             value = loss.item()
+            # What the step-end callbacks get. Detached here, next to the forward pass's own tensor
+            # work, it costs about 1.3 us less than after the backward pass (issue 29).
+            detached = loss.detach()
             mark = clock()
             sums[1] += mark - now
             scaled = loss / accumulate if accumulate > 1 else loss
@@ -147,11 +150,11 @@ def run_epoch(run: Run) -> None:
             _logs.add_extras(run, extras, first=accumulate == 1 or not micro_losses)
         run.batches_done = batch_idx + 1
         if accumulate == 1:
-            if optimizer_step(run, loss.detach(), value, 1):
+            if optimizer_step(run, detached, value, 1):
                 break
             mark = clock()
             continue
-        micro_losses.append(loss.detach())
+        micro_losses.append(detached)
         micro_sum += value
         if not sync:
             mark = now

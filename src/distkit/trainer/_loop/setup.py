@@ -104,7 +104,7 @@ def setup(
     # keep a poisoned gradient); without find_unused_parameters or static_graph DDP fails any
     # step in which a rank leaves a parameter unused, so one sentinel is then enough.
     # A one-dimensional sentinel (a bias) is the cheapest to read, the shortest one most of all
-    # (Strategy.read_sentinel).
+    # (Strategy.sentinel_reader).
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     # Under FSDP each rank reads its own shard: one that is not empty on this rank.
     candidates = [p for p in params if id(p) in stepped and strategy.local(p).numel() > 0]
@@ -156,6 +156,7 @@ def setup(
         params=params,
         sentinel=sentinel,
         scan_all=strategy.scan_all,
+        read_sentinel=None if sentinel is None else strategy.sentinel_reader(sentinel),
         generators=generators,
         num_batches=num_batches,
         per_replica_batch=per_replica_batch,

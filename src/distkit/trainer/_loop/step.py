@@ -166,7 +166,8 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         flag = math.nan if run.poisoned else 0.0
     else:
         grad = None if run.scan_all or run.sentinel is None else run.sentinel.grad
-        flag = _nonfinite.scan_gradients(run) if grad is None else strategy.read_sentinel(grad)
+        read = run.read_sentinel
+        flag = _nonfinite.scan_gradients(run) if grad is None or read is None else read(grad)
     run.poisoned = False
     if math.isfinite(flag):
         if run.nonfinite_run:
