@@ -675,6 +675,14 @@ def test_a_resume_path_where_nothing_exists_stops_with_exit_2_naming_the_path_an
     err = cli_error(run_args(tmp_path / "run", "--config", config), capsys)
     assert f"Fix trainer.resume in {config}" in err, err
     assert not (tmp_path / "run").exists()  # nothing was trained
+    # A job over several nodes: the path may be on other nodes' disks; fit's restore, on every rank
+    # at once, says which ranks lack it (an exit here left the other nodes waiting in init).
+    nodes = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    nodes.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")  # never contacted: nothing is built
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in nodes.items():
+            env.setenv(name, value)
+        make_cli(run_args(tmp_path / "run", "--trainer.resume", str(missing)))
     # An existing checkpoint, given by its path, resumes.
     make_cli(run_args(tmp_path), run=True)
     last = max(p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))

@@ -391,6 +391,12 @@ def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
 
     if resume is None or resume == "auto":
         return None
+    with contextlib.suppress(ValueError):  # unreadable launcher variables: said elsewhere
+        if runtime.get_env().num_nodes > 1:
+            # A path may exist on some nodes' disks only. fit's restore then names the ranks that
+            # lack it, on every rank at once; an exit here would leave the other nodes waiting for
+            # this one in the process group's set-up, up to its timeout.
+            return None
     where = _config_errors.where_to_fix(argv, "trainer.resume", "PATH")
     try:
         storage, path = _storage_for(resume)
