@@ -206,6 +206,28 @@ def evaluate_on_ranks(tmp: str) -> dict[str, Any]:
     }
 
 
+def evaluate_one_sample_a_batch(tmp: str) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = Net()
+    data = Blobs(101, seed=3)  # 51 + 50 batches of one: an uneven count
+    trainer = quiet(tmp, strategy="ddp", val_batch_size=1, max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        val = trainer.validate(model, data, loss_fn=CE, metrics={"acc": accuracy})
+        trainer.predict(model, data)
+    return val, exact_metrics(model, data), [str(w.message) for w in caught]
+
+
+def test_evaluation_one_sample_a_batch_on_uneven_ranks_is_exact_and_not_warned_about(ranks, tmp_path) -> None:
+    # Was: the loader's warning for a user's own loop ("a collective inside the loop would wait
+    # forever"), which the Trainer's evaluation, without a collective per batch, has no use for.
+    for val, exact, warned in ranks.run(evaluate_one_sample_a_batch, str(tmp_path)):
+        assert val["val_loss"] == pytest.approx(exact["loss"], rel=1e-5)
+        assert not [text for text in warned if "batch_size=1" in text], warned
+
+
 def test_validate_test_and_predict_are_exact_every_sample_once_in_dataset_order(ranks, tmp_path) -> None:
     for result in ranks.run(evaluate_on_ranks, str(tmp_path)):
         exact = result["exact"]

@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -469,14 +470,20 @@ def make_loader(trainer: Options, data: Any, batch_size: int, *, evaluation: boo
     """A distkit loader over a dataset, or a loader given as it is (warning when it is not sharded
     over ``world_size`` processes)."""
     if makes_loader(data):
-        return distributed_dataloader(
-            data,
-            batch_size,
-            shuffle=not evaluation,
-            num_workers=trainer.num_workers,
-            seed=trainer.seed,
-            evaluation=evaluation,
-        )
+        with warnings.catch_warnings():
+            # batch_size=1 over a dataset the ranks do not divide gives ranks unequal batch counts,
+            # against which the loader warns users of their own loops; the Trainer's evaluation
+            # makes no collective per batch and runs as many forward passes on every rank where
+            # the model needs it (evaluate.lockstep_batches).
+            warnings.filterwarnings("ignore", message=r".*evaluation with batch_size=1 over \d+ samples")
+            return distributed_dataloader(
+                data,
+                batch_size,
+                shuffle=not evaluation,
+                num_workers=trainer.num_workers,
+                seed=trainer.seed,
+                evaluation=evaluation,
+            )
     sampler = getattr(data, "sampler", None)
     if (
         world_size > 1
