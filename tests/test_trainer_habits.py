@@ -442,6 +442,50 @@ def test_a_mid_epoch_resume_with_another_accumulation_is_refused_and_one_at_an_e
     assert more.global_step == 6 + 8 and more.total_steps == 14
 
 
+def test_a_mid_epoch_resume_with_another_batch_size_is_refused_in_the_trainers_terms(tmp_path: Path) -> None:
+    first = _trainer(tmp_path, batch_size=4, max_steps=3, resume="auto")
+    _fit(first, _model())
+    again = _trainer(tmp_path, batch_size=8, max_epochs=1, resume="auto")
+    # Was: the loader's own advice, "set state['batches_consumed'] = 0", a state no Trainer user holds.
+    with pytest.raises(ValueError) as caught:
+        _fit(again, _model())
+    said = str(caught.value)
+    assert said.startswith(
+        "cannot resume mid-epoch (3 batches into epoch 0) with another batch size (saved 4, now 8: "
+        "Trainer(batch_size=4), or the batch_size of the loader given to fit)"
+    ), said
+    assert "from a checkpoint saved at an epoch's end" in said and "batches_consumed" not in said
+
+
+class _Grows(Callback):
+    """Adds samples to the training dataset in the middle of the first epoch."""
+
+    def __init__(self, data: list[Any]) -> None:
+        self.data = data
+
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
+        if trainer.global_step == 2:
+            self.data.extend(self.data[:5])
+
+
+def test_a_training_dataset_that_grows_during_fit_is_named_with_the_trainers_fix(tmp_path: Path) -> None:
+    samples = list(_data(20))
+    trainer = _trainer(tmp_path, batch_size=4, max_epochs=2, callbacks=[_Grows(samples)])
+    # Was: "make a new loader (on every rank)", the loader's fix for a loader the Trainer made.
+    with pytest.raises(distkit.DistkitError) as caught:
+        trainer.fit(
+            _model(),
+            samples,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+            loss_fn=nn.functional.cross_entropy,
+        )
+    said = str(caught.value)
+    assert said.startswith("the training dataset had 20 samples when fit() made its loader and has 25 now"), (
+        said
+    )
+    assert "start another fit()" in said and "make a new loader" not in said
+
+
 @pytest.mark.parametrize(
     ("options", "said"),
     [

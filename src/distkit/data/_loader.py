@@ -80,6 +80,37 @@ def _draws_nothing(dataset: Any) -> bool:
     return type(dataset) in (torch.utils.data.TensorDataset, torch.Tensor, list, tuple, range)
 
 
+class _SettingsChanged(ValueError):
+    """A mid-epoch loader state whose settings differ from this loader's (private: the Trainer,
+    which makes the loader, says it in its own terms).
+
+    Attributes:
+        epoch: The saved epoch.
+        consumed: Batches of it consumed when the state was saved.
+        changed: ``{setting: (saved, now)}`` of each setting that differs.
+    """
+
+    def __init__(
+        self, message: str, *, epoch: int, consumed: int, changed: dict[str, tuple[Any, Any]]
+    ) -> None:
+        super().__init__(message)
+        self.epoch, self.consumed, self.changed = epoch, consumed, changed
+
+
+class _DatasetResized(DistkitError):
+    """The dataset's length changed after the loader was made (private, as :class:`_SettingsChanged`).
+
+    Attributes:
+        made: Its length when the loader was made.
+        now: Its length now.
+        evaluation: Whether the loader is an evaluation loader.
+    """
+
+    def __init__(self, message: str, *, made: int, now: int, evaluation: bool) -> None:
+        super().__init__(message)
+        self.made, self.now, self.evaluation = made, now, evaluation
+
+
 class _SeededDataset(torch.utils.data.Dataset[Any]):
     """Fetches and collates one batch on that batch's own random stream.
 
@@ -316,9 +347,12 @@ class DistributedLoader:
 
     def _start_pass(self) -> Iterator[Any]:
         if len(self.dataset) != self._n:
-            raise DistkitError(
+            raise _DatasetResized(
                 f"the dataset now has {len(self.dataset)} samples but had {self._n} when this loader "
-                f"was made; make a new loader (on every rank) after changing the dataset."
+                f"was made; make a new loader (on every rank) after changing the dataset.",
+                made=self._n,
+                now=len(self.dataset),
+                evaluation=self.evaluation,
             )
         self._passes.begin(
             self._epoch,
@@ -452,11 +486,14 @@ class DistributedLoader:
             described = ", ".join(f"{key}: saved {state[key]!r}, now {current[key]!r}" for key in changed)
             also = " and state['resume_offset'] = 0" if offset else ""
             only = "" if self.evaluation else " (only the world size may change)"
-            raise ValueError(
+            raise _SettingsChanged(
                 f"cannot resume mid-epoch ({consumed} batches into epoch {epoch}) with different "
                 f"settings ({described}): batch {consumed} would hold other samples. Resume with the "
                 f"saved settings{only}, or set state['batches_consumed'] = 0{also} to restart epoch "
-                f"{epoch}."
+                f"{epoch}.",
+                epoch=epoch,
+                consumed=consumed,
+                changed={key: (state[key], current[key]) for key in changed},
             )
         if offset > self._n or (offset and self.evaluation):
             limit = (

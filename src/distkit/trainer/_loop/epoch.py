@@ -13,6 +13,8 @@ import torch
 
 from distkit import runtime
 from distkit.data import StreamLoader
+from distkit.data._loader import _DatasetResized
+from distkit.errors import DistkitError
 from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
 from distkit.trainer._loop.batches import length, to_device
 from distkit.trainer._loop.step import _mean_over_devices, optimizer_step
@@ -27,7 +29,16 @@ def train(run: Run) -> None:
     """Epochs until ``max_epochs``/``max_steps``, a stop or a preemption; then the callbacks'
     ``on_fit_end`` and the loggers' record of the last checkpoint."""
     while not run.finished():
-        run_epoch(run)
+        try:
+            run_epoch(run)
+        except _DatasetResized as err:
+            kind = "validation" if err.evaluation else "training"
+            raise DistkitError(
+                f"the {kind} dataset had {err.made} samples when fit() made its loader and has "
+                f"{err.now} now: the epochs, the exact evaluation and the resume positions are counted "
+                f"on the first length. Keep the dataset's size fixed during fit(); to train on the "
+                f"changed dataset, start another fit() (a loader you passed to fit must be made again)."
+            ) from None
         if run.preempted:
             break
         if run.epoch_finished:

@@ -16,6 +16,7 @@ from torch import nn
 from distkit import runtime
 from distkit.checkpoint import ResumeState
 from distkit.collectives import all_gather_object
+from distkit.data._loader import _SettingsChanged
 from distkit.trainer._loop import logs as _logs
 from distkit.trainer.callbacks import Callback
 
@@ -170,14 +171,18 @@ def _merged_log_sums(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-class _GivenBack:
-    """A distkit loader's state as if a discarded step's batches had not been handed out."""
+class _TrainLoader:
+    """The training loader's checkpoint entry: its state as if a discarded step's ``batches`` had not
+    been handed out, and a mid-epoch state that does not fit the loader refused in a Trainer user's
+    terms (the loader's own message tells how to edit its state)."""
 
     def __init__(self, loader: Any, batches: int) -> None:
         self.loader, self.batches = loader, batches
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self.loader.state_dict())
+        if not self.batches:
+            return state
         if "batches_consumed" in state:  # a DistributedLoader; other loaders' states are kept
             state["batches_consumed"] -= self.batches
         elif state.get("stream"):  # a StreamLoader: its position counts every rank's samples
@@ -185,7 +190,28 @@ class _GivenBack:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        try:
+            self.loader.load_state_dict(state)
+        except _SettingsChanged as err:
+            changed = ", ".join(_changed_setting(key, *values) for key, values in err.changed.items())
+            raise ValueError(
+                f"cannot resume mid-epoch ({err.consumed} batches into epoch {err.epoch}) with {changed}: "
+                f"batch {err.consumed} would hold other samples. Resume with the saved settings, or from a "
+                f"checkpoint saved at an epoch's end (resume=<its path>; `distkit checkpoint list "
+                f"DIRECTORY` lists them, ModelCheckpoint(every_n_epochs=1) saves them), where they may "
+                f"change."
+            ) from None
+
+
+def _changed_setting(key: str, saved: Any, now: Any) -> str:
+    if key == "batch_size":
+        return (
+            f"another batch size (saved {saved}, now {now}: Trainer(batch_size={saved}), or the "
+            f"batch_size of the loader given to fit)"
+        )
+    if key == "dataset_len":
+        return f"a training dataset of another size (saved {saved} samples, now {now})"
+    return f"another {key} (saved {saved!r}, now {now!r})"
 
 
 class _CallbackStates:
@@ -230,7 +256,7 @@ def checkpoint_state(run: Run) -> dict[str, Any]:
         state["scaler"] = run.precision.scaler
     if callable(getattr(run.train_loader, "state_dict", None)):
         loader = run.train_loader
-        state["train_loader"] = _GivenBack(loader, run.given_back) if run.given_back else loader
+        state["train_loader"] = _TrainLoader(loader, run.given_back)
     # DDP's PowerSGD: "comm_hook", its error feedback and warm start; nothing for other strategies.
     state.update(run.strategy.checkpoint_entries())
     return state
