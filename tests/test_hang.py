@@ -726,6 +726,23 @@ def test_a_rank_that_caught_what_fit_raised_is_waited_for_not_named_the_cause(ra
     assert ranks.run(late_rank_0_barrier) == ["passed", "passed"]
 
 
+def test_the_context_of_a_collective_is_the_if_that_tests_the_rank_not_only_the_innermost(tmp_path) -> None:
+    from distkit._doctor.where import enclosing_if
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "def step(rank, step, t):\n"
+        "    if rank == 0:\n"
+        "        if step % 10 == 0:\n"
+        "            all_reduce(t)\n"
+        "    if step % 5 == 0:\n"
+        "        barrier()\n"
+    )
+    # Was: "in `if step % 10 == 0:`", whose report gave the uneven-data hint, not "some ranks only".
+    assert enclosing_if(str(script), 4) == "in `if rank == 0:`"
+    assert enclosing_if(str(script), 6) == "in `if step % 5 == 0:`"  # no rank test: the innermost
+
+
 def test_a_mismatch_verdict_points_at_the_if_that_tests_the_rank() -> None:
     # The rank that waits in a branch every rank takes is not the one to fix: the other rank
     # called its collective under `if distkit.is_main_process():`.

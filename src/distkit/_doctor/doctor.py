@@ -31,7 +31,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -234,22 +233,18 @@ def _waited(exc: BaseException) -> bool:
     return cause is not None and (is_transport_failure(cause) or isinstance(cause, dist.DistNetworkError))
 
 
-# An `if` whose test names the rank: the branch that some ranks take and others do not.
-_RANK_TEST = re.compile(r"rank|main_process|master|is_main|world_size", re.IGNORECASE)
-
-
 def _where_to_move(local: Mapping[str, Any], missing: Mapping[int, Mapping[str, Any]]) -> str:
     """The hint of a mismatch verdict: the `if` to move the collective out of. This rank's own
     `if`, unless only a missing rank's `if` tests the rank (this rank waits in a branch every rank
     takes, e.g. `if step % 2 == 1:`, while the other called a collective under
     `if is_main_process():`)."""
     context = local.get("context") or ""
-    if context.startswith("in `") and _RANK_TEST.search(context):
+    if context.startswith("in `") and _hang_where.RANK_TEST.search(context):
         return f" (here: move it out of {context.split('in ', 1)[-1]})"
     for rank in sorted(missing):
         answer = missing[rank]
         theirs = answer.get("context") or ""
-        if theirs.startswith("in `") and _RANK_TEST.search(theirs):
+        if theirs.startswith("in `") and _hang_where.RANK_TEST.search(theirs):
             call = f"{answer.get('op') or 'collective'} at {answer.get('file')}:{answer.get('line')}"
             return f" (rank {rank}'s {call} is {theirs}: move it out of that `if`)"
     return f" (here: move it out of {context.split('in ', 1)[-1]})" if context.startswith("in `") else ""

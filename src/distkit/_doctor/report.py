@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distkit._doctor.where import RANK_TEST
 from distkit._utils.secrets import redact_text
 
 __all__: list[str] = []
 
 _WAITING = ("wait", "exempt", "failed")
 _ABSENT = ("left", "gone", "silent")
-# An `if` whose test looks at the rank: the classic way to run a collective on some ranks only.
-_RANK_TEST = re.compile(r"rank|main_process|master|is_main|local_main")
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -192,7 +190,7 @@ def _diagnosis(
             hinted = True
         for ranks in waiting if not hinted else []:
             context = answers[ranks[0]].get("context") or ""
-            if _RANK_TEST.search(context) and len(ranks) < len(answers):
+            if RANK_TEST.search(context) and len(ranks) < len(answers):
                 test = context.split("`")[1] if "`" in context else context
                 lines.append(
                     f"A collective {context} runs on some ranks only: every rank must call it, in the "

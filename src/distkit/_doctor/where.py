@@ -25,6 +25,7 @@ import functools
 import gc
 import linecache
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -484,8 +485,14 @@ def _span(body: Iterable[ast.stmt]) -> tuple[int, int] | None:
     return statements[0].lineno, statements[-1].end_lineno or statements[-1].lineno
 
 
+# An `if` whose test looks at the rank: the classic way to run a collective on some ranks only.
+RANK_TEST = re.compile(r"rank|main_process|master|is_main|world_size", re.IGNORECASE)
+
+
 def enclosing_if(filename: str, line: int) -> str | None:
-    """```in `if rank == 0:` ``` for the innermost ``if`` of the same function around ``line``."""
+    """```in `if rank == 0:` ``` for the ``if`` of the same function around ``line``: the innermost
+    one whose test looks at the rank (``if rank == 0:`` around ``if step % 10 == 0:``), else the
+    innermost one."""
     try:
         tree = _parsed(filename, os.stat(filename).st_mtime)
     except OSError:
@@ -497,22 +504,18 @@ def enclosing_if(filename: str, line: int) -> str | None:
     for node in ast.walk(tree):
         if isinstance(node, scopes) and node.lineno <= line <= (node.end_lineno or node.lineno):
             scope_start = max(scope_start, node.lineno)
-    best: tuple[ast.If, bool] | None = None
+    around: list[tuple[ast.If, bool, str]] = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.If) or node.lineno <= scope_start:
             continue
         for in_else, span in ((False, _span(node.body)), (True, _span(node.orelse))):
-            if (
-                span is not None
-                and span[0] <= line <= span[1]
-                and (best is None or node.lineno > best[0].lineno)
-            ):
-                best = (node, in_else)
-    if best is None:
+            if span is not None and span[0] <= line <= span[1]:
+                text = linecache.getline(filename, node.lineno).strip().split(" #", 1)[0].rstrip()
+                around.append((node, in_else, text))
+    around.sort(key=lambda found: -found[0].lineno)  # the innermost first
+    if not around:
         return None
-    node, in_else = best
-    text = linecache.getline(filename, node.lineno).strip()
-    text = text.split(" #", 1)[0].rstrip()
+    node, in_else, text = next((found for found in around if RANK_TEST.search(found[2])), around[0])
     if not text or ("__name__" in text and "__main__" in text):
         return None
     if len(text) > 80:
