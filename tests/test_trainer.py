@@ -832,6 +832,31 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path) -> None:
     assert trainer.global_step == 2
 
 
+@pytest.mark.parametrize("form", ["file_url", "home"])
+def test_a_resume_path_inside_the_runs_own_directory_continues_it_in_any_form(
+    tmp_path, monkeypatch, form
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~" is tmp_path
+    root = "~/run" if form == "home" else str(tmp_path / "run")
+
+    def fit(max_steps: int, resume: str | None) -> Trainer:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            root, strategy="single", max_steps=max_steps, enable_checkpointing=True, resume=resume
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+        return trainer
+
+    fit(2, None)
+    step = tmp_path / "run" / "checkpoints" / "step_000000002"
+    assert step.is_dir()
+    resume = f"file://{step}" if form == "file_url" else "~/run/checkpoints/step_000000002"
+    # Was: "already holds the checkpoints of another run, and this fit() starts a new one": the
+    # file:// URL was compared as text with a local path, and "~" was not expanded.
+    assert fit(4, resume).global_step == 4
+
+
 # --------------------------------------------------------------------------------------------------
 # Strategies, devices and precision: clear errors instead of silent fallbacks
 

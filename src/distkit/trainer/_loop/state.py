@@ -229,12 +229,20 @@ class _CallbackStates:
 
 
 def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
-    """Whether checkpoint ``path`` lies inside ``directory`` (local paths or URLs)."""
-    path, directory = os.fspath(path), os.fspath(directory)
+    """Whether checkpoint ``path`` lies inside ``directory`` (local paths or URLs; a ``file://`` URL
+    and a ``~`` path as the local path they name)."""
+    path, directory = _local(os.fspath(path)), _local(os.fspath(directory))
     if "://" in path or "://" in directory:
         return path.rstrip("/").startswith(directory.rstrip("/") + "/")
     real_path, real_dir = os.path.realpath(path), os.path.realpath(directory)
     return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir
+
+
+def _local(path: str) -> str:
+    """``path`` as a local path when it names one (``file:///x``, ``~/x``), else as it is."""
+    if path.startswith("file://"):
+        return path[len("file://") :]
+    return os.path.expanduser(path) if path.startswith("~") else path
 
 
 def checkpoint_state(run: Run) -> dict[str, Any]:
