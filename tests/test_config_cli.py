@@ -510,7 +510,10 @@ def test_a_duplicate_key_in_any_config_file_is_refused_naming_the_file_the_key_a
         (["--config", "two_models.yaml"], "duplicate key model in two_models.yaml (lines 1 and 4)"),
         (["--data", "data.yaml"], "duplicate key data.samples in data.yaml (lines 1 and 3)"),
         (["--config", "names_a_file.yaml"], "key trainer.batch_size in trainer.yaml (lines 1 and 3)"),
-        (["--trainer", "{batch_size: 4, batch_size: 8}"], "key batch_size in a value on the command line"),
+        (
+            ["--trainer", "{batch_size: 4, batch_size: 8}"],
+            "key trainer.batch_size in a value on the command line",
+        ),
     ]
     for args, expected in cases:
         err = cli_error(["--model.hidden", "4", *args], capsys)
@@ -753,3 +756,118 @@ def test_under_plain_python_fit_starts_the_processes_with_the_config_parsed_once
     assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == cli.run_config
     hparams = json.loads((tmp_path / "hparams.json").read_text())
     assert hparams["run"]["world_size"] == 2 and hparams["trainer"]["devices"] == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# What a careless config meant, read as it meant it (driven as users write them)
+
+
+class Named(nn.Module):
+    """TinyNet with text options, one of them a template whose default holds ``${epoch}``.
+
+    Args:
+        hidden: Width of the hidden layer.
+        name: A run name.
+        fmt: A file name template.
+    """
+
+    def __init__(self, hidden: int = 4, name: str = "net", fmt: str = "ckpt-${epoch}") -> None:
+        super().__init__()
+        self.name, self.fmt = name, fmt
+        self.net = TinyNet(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def named_cli(args: list[str], *, run: bool = False) -> TrainerCLI:
+    return TrainerCLI(
+        Named, blobs, loss_fn=nn.functional.cross_entropy, trainer_defaults=QUIET, args=args, run=run
+    )
+
+
+def test_an_empty_section_is_refused_not_read_as_dropping_every_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  hidden: 4\ntrainer:\n  # max_epochs: 5\n")
+    # Was: trainer: None, and the Trainer built without the script's trainer_defaults, in silence.
+    err = cli_error(["--config", str(config)], capsys)
+    assert f"trainer: in {config} is empty, which YAML reads as null" in err, err
+    assert "write trainer: {} for none" in err
+
+
+def test_a_string_value_that_reads_as_yaml_is_a_value_not_a_config_with_duplicate_keys(
+    tmp_path: Path,
+) -> None:
+    config = write_yaml(tmp_path / "run.yaml", {"model": {"name": "{a: 1, a: 2}"}})
+    # Was: "duplicate key a in run.yaml (line 1, twice)": jsonargparse loads string values as YAML too.
+    assert named_cli(["--config", config]).model.name == "{a: 1, a: 2}"
+    assert named_cli(["--model.name", "{epoch, epoch}"]).model.name == "{epoch, epoch}"
+
+
+def test_a_config_read_from_a_pipe_is_read_by_the_parser_whole(tmp_path: Path) -> None:
+    import os
+
+    read, write = os.pipe()
+    os.write(write, b"model:\n  hidden: 5\n")
+    os.close(write)
+    try:
+        # Was: "Unexpected config: ", the checks having read the pipe before jsonargparse.
+        cli = make_cli(["--config", f"/dev/fd/{read}"])
+    finally:
+        os.close(read)
+    assert cli.run_config["model"]["hidden"] == 5
+
+
+def test_variables_a_shell_would_expand_are_refused_and_the_scripts_own_defaults_are_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DISTKIT_TEST_SCRATCH", "/scratch")
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  default_root_dir: $DISTKIT_TEST_SCRATCH/runs\n")
+    # Was: a directory named '$DISTKIT_TEST_SCRATCH' (only ${NAME} was refused).
+    err = cli_error(["--config", str(config), "--model.hidden", "4"], capsys)
+    assert "$DISTKIT_TEST_SCRATCH is not expanded in a config file" in err, err
+    # An unset $name is a template's, as string.Template writes it: taken as it is.
+    config.write_text("model:\n  name: exp-$epoch\n")
+    assert named_cli(["--config", str(config)]).model.name == "exp-$epoch"
+    # The script's own default with ${epoch} goes through config.yaml and --print_config and back.
+    named_cli([f"--trainer.default_root_dir={tmp_path / 'run'}"], run=True)
+    saved = tmp_path / "run" / "config.yaml"
+    assert "ckpt-${epoch}" in saved.read_text()
+    again = named_cli(["--config", str(saved), "--trainer.resume", "auto"])
+    assert again.model.fmt == "ckpt-${epoch}"
+    with pytest.raises(SystemExit) as exit_info:
+        named_cli(["--config", str(saved), "--model.fmt", "x-${epoch}"])
+    assert exit_info.value.code == 2 and "${epoch} was not expanded" in capsys.readouterr().err
+
+
+def test_resume_null_on_the_command_line_means_no_resume(tmp_path: Path) -> None:
+    config = write_yaml(tmp_path / "run.yaml", {"trainer": {"resume": "auto"}})
+    # Was: "no checkpoint at None": jsonargparse reads null as the text 'None' for a path type.
+    cli = make_cli(["--config", config, "--model.hidden", "4", "--trainer.resume", "null"])
+    assert cli.trainer.resume is None and cli.run_config["trainer"]["resume"] is None
+
+
+def test_a_resume_url_of_a_store_whose_filesystem_is_not_installed_is_left_to_fit(tmp_path: Path) -> None:
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed here: the URL would be looked up on the network")
+    # Was: fsspec's ImportError ("Please install gcsfs") as a traceback while the config was read.
+    cli = make_cli(run_args(tmp_path, "--trainer.resume", "gs://bucket/run/step_000000001"))
+    assert cli.trainer.resume == "gs://bucket/run/step_000000001"
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_bytes(b"model:\n  hidden: 4\ndata:\n  seed: 1 # caf\xe9\n")
+    # Was: a UnicodeDecodeError traceback.
+    err = cli_error(["--config", str(config)], capsys)
+    assert f"the config file {config} is not UTF-8 text (byte 0xe9 at offset" in err, err

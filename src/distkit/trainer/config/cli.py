@@ -20,6 +20,7 @@ import functools
 import importlib
 import inspect
 import io
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -303,7 +304,7 @@ class TrainerCLI:
     def _parse(self, argv: list[str]) -> Namespace:
         env = _launch_env()
         try:
-            _config_loader.check_command_line(argv, _config_errors.sections(self.parser))
+            _config_loader.check_command_line(argv, _config_errors.sections(self.parser), self._defaults())
         except _config_loader.ConfigRefused as slip:
             self._fail(str(slip), env, argv)
         misshapen = _config_errors.misshapen_sections(argv, self.parser)
@@ -314,6 +315,11 @@ class TrainerCLI:
         try:
             with contextlib.redirect_stdout(quiet) if quiet is not None else contextlib.nullcontext():
                 config = self.parser.parse_args(argv)
+            resume = getattr(getattr(config, "trainer", None), "resume", None)
+            if resume in ("None", "null") and not os.path.exists(resume):
+                # jsonargparse reads --trainer.resume null as the text 'None' (its type is a path or
+                # None): the command line meant no resume, as `resume: null` in a file gives.
+                config.trainer.resume = None
         except SystemExit:
             raise
         except _config_loader.ConfigRefused as slip:  # in a file that a file or an option names
@@ -338,6 +344,13 @@ class TrainerCLI:
         message = _given_options(argv).text(message)
         print(f"{self.parser.prog}: error: {prefix}{message}", file=sys.stderr)
         raise SystemExit(2)
+
+    def _defaults(self) -> dict[str, Any]:
+        """The parser's defaults by dotted key (``model.fmt``): the script's own values."""
+        try:
+            return dict(self.parser.get_defaults().items())
+        except Exception:  # a default jsonargparse cannot build: nothing is exempt
+            return {}
 
     def _resolved(self, config: Namespace) -> dict[str, Any]:
         import yaml
@@ -402,6 +415,8 @@ def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
         storage, path = _storage_for(resume)
     except ValueError as err:  # a file:// URL a slash short, an unknown protocol
         return f"trainer.resume: {err} {where}"
+    except Exception:  # fsspec's filesystem for it is not installed (gcsfs): the restore says so
+        return None
     try:
         if storage.kind(path) is not None:
             return None
@@ -565,8 +580,11 @@ def _given_options(argv: list[str]) -> Scrubber:
             value = argv[index + 1]
         given[name.rpartition(".")[2]] = value
     files = []
-    for path in _config_errors.config_paths(argv):
-        with contextlib.suppress(OSError, yaml.YAMLError), open(path, encoding="utf-8") as handle:
+    for path in _config_errors.config_files(argv):
+        with (
+            contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError),
+            open(path, encoding="utf-8") as handle,
+        ):
             files.append(yaml.safe_load(handle))
     return Scrubber([given, *files])
 

@@ -372,6 +372,13 @@ def config_paths(argv: list[str]) -> list[str]:
     return paths
 
 
+def config_files(argv: list[str]) -> list[str]:
+    """The ``-c/--config`` paths of ``argv`` that are regular files, which a check may read before
+    jsonargparse does: a pipe (``--config <(envsubst < run.yaml)``, ``/dev/stdin``) is read once,
+    by jsonargparse alone. Local."""
+    return [path for path in config_paths(argv) if os.path.isfile(path)]
+
+
 def _broken_config_file(argv: list[str]) -> str | None:
     """What is wrong with the first ``--config`` file that is missing or not valid YAML, if any."""
     import yaml
@@ -399,7 +406,7 @@ def _value_in_config_files(argv: list[str], key: str) -> tuple[Any, str | None]:
         try:
             with open(path, encoding="utf-8") as handle:
                 node: Any = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
         found = _find(node, key.split("."))
         if found is not None:
@@ -522,14 +529,23 @@ def misshapen_sections(argv: list[str], parser: ArgumentParser | None = None) ->
     import yaml
 
     groups = sections(parser) if parser is not None else {"model": [], "data": []}
-    for path in config_paths(argv):
+    for path in config_files(argv):
         try:
             with open(path, encoding="utf-8") as handle:
                 data: Any = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue  # jsonargparse names these
         if not isinstance(data, dict):
             continue
+        empty = next((key for key in groups if key in data and data[key] is None), None)
+        if empty is not None:
+            # YAML reads `trainer:` with nothing after it (every line below commented out) as null,
+            # and jsonargparse then drops every default of the section: the script's own too.
+            return (
+                f"{empty}: in {path} is empty, which YAML reads as null: the run would lose every "
+                f"{empty} default, the script's included. Give it its arguments, write {empty}: {{}} "
+                f"for none, or delete the line."
+            )
         shapes = [(key, data.get(key), groups[key]) for key in groups]
         shapes += [
             (f"{key}.init_args", data[key].get("init_args"), [])
@@ -611,7 +627,7 @@ def untrusted_in_raw_input(parser: ArgumentParser, argv: list[str], allowed: Seq
         try:
             with open(path, encoding="utf-8") as handle:
                 data: Any = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
             continue
         for action in actions:
             node: Any = data

@@ -20,10 +20,10 @@ import contextlib
 import importlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from distkit.trainer.config.errors import config_paths
+from distkit.trainer.config.errors import config_files
 
 __all__: list[str] = []
 
@@ -31,7 +31,7 @@ __all__: list[str] = []
 MODE = "distkit_yaml"
 
 # ``${NAME}`` as a shell, docker compose or OmegaConf writes it (``${oc.env:X}``, ``${model.hidden}``).
-_VARIABLE = re.compile(r"\$\{[^{}\s]+\}")
+_VARIABLE = re.compile(r"\$\{[^{}\s]+\}|\$[A-Za-z_]\w*")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _STR_TAG = "tag:yaml.org,2002:str"
 
@@ -57,27 +57,46 @@ def parser_mode() -> str:
 
 
 def load(text: str, path: str = "") -> Any:
-    """jsonargparse's YAML loader, after :func:`check_text`. ``path`` is the file when jsonargparse
-    names it, else the file it is loading (a section's own file), else none: a value on the command
-    line (checked before parsing) or a text inside a file already checked."""
+    """jsonargparse's YAML loader, after :func:`check_text` of a whole file: ``path`` when
+    jsonargparse names it, else the regular file it is loading when ``text`` is all of it (a
+    section's own file). jsonargparse also loads each string value through this loader, to see
+    whether it holds YAML: such a text is a value (``name: "{a: 1, a: 2}"``), not a config, and is
+    left as it is (the file or command line it came from was checked whole)."""
     from jsonargparse import get_loader
 
     where = str(path) if path else _loading_file()
-    check_text(text, where=where or "a value on the command line", variables=where is not None)
+    if where is not None and (path or _whole_file(where, text)):
+        # Duplicate keys only: variables were looked for before parsing, in every file the command
+        # line names, with the script's defaults exempt (a saved config.yaml holds them).
+        check_text(text, where=where, variables=False)
     return get_loader("yaml")(text)
 
 
-def check_command_line(argv: list[str], sections: Iterable[str]) -> None:
+def _whole_file(path: str, text: str) -> bool:
+    """Whether ``text`` is the whole of the regular file at ``path``."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read() == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def check_command_line(
+    argv: list[str], sections: Iterable[str], defaults: Mapping[str, Any] | None = None
+) -> None:
     """Refuse a duplicate key or a ``${NAME}`` in the config files of ``argv`` (``--config FILE``, and
     a section's own file: ``--data data.yaml``, or ``trainer: trainer.yaml`` in a config file, for a
     section in ``sections``) and a ``${NAME}`` in its values, before jsonargparse reads them
-    (:class:`ConfigRefused`). Local."""
+    (:class:`ConfigRefused`). A value equal to its key's default in ``defaults`` (flat, dotted
+    keys) is the script's own, and not refused: a saved ``config.yaml`` or ``--print_config``
+    holds it. Local."""
     sections = set(sections)
-    check_arguments(argv)
-    for path in config_paths(argv):
-        check_file(path)
+    defaults = defaults or {}
+    check_arguments(argv, defaults)
+    for path in config_files(argv):
+        check_file(path, defaults=defaults)
         for section, nested in _section_files(path, sections):
-            check_file(nested, prefix=section)
+            check_file(nested, prefix=section, defaults=defaults)
     options = {f"--{section}": section for section in sections}
     for index, argument in enumerate(argv):
         option, equals, value = argument.partition("=")
@@ -86,19 +105,26 @@ def check_command_line(argv: list[str], sections: Iterable[str]) -> None:
         if not equals:
             value = argv[index + 1] if index + 1 < len(argv) else ""
         if os.path.isfile(value):
-            check_file(value, prefix=options[option])
+            check_file(value, prefix=options[option], defaults=defaults)
+        else:  # the section's mapping itself: --trainer '{max_epochs: 3, max_epochs: 5}'
+            check_text(value, where="a value on the command line", prefix=options[option], variables=False)
 
 
-def check_file(path: str, *, prefix: str = "") -> None:
+def check_file(path: str, *, prefix: str = "", defaults: Mapping[str, Any] | None = None) -> None:
     """Refuse a duplicate key or a ``${NAME}`` in the YAML file at ``path``, whose keys are under
-    ``prefix`` (``data`` for ``--data data.yaml``) (:class:`ConfigRefused`); a file that cannot be
-    read or is not YAML is left to the caller. Local."""
+    ``prefix`` (``data`` for ``--data data.yaml``), or a file that is not UTF-8 text
+    (:class:`ConfigRefused`); a file that cannot be read or is not YAML is left to the caller. Local."""
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
-    except (OSError, UnicodeDecodeError):
+    except UnicodeDecodeError as err:
+        raise ConfigRefused(
+            f"the config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); save it as UTF-8."
+        ) from None
+    except OSError:
         return
-    check_text(text, where=path, prefix=prefix)
+    check_text(text, where=path, prefix=prefix, defaults=defaults)
 
 
 def _section_files(path: str, sections: set[str]) -> list[tuple[str, str]]:
@@ -122,19 +148,22 @@ def _section_files(path: str, sections: set[str]) -> list[tuple[str, str]]:
     return found
 
 
-def check_arguments(argv: list[str]) -> None:
+def check_arguments(argv: list[str], defaults: Mapping[str, Any] | None = None) -> None:
     """Refuse a ``${NAME}`` in a value on the command line (:class:`ConfigRefused`): the shell did
-    not expand it (single quotes, or a launcher that runs no shell), and distkit does not. Local."""
+    not expand it (single quotes, or a launcher that runs no shell), and distkit does not; unless
+    the value is its option's default in ``defaults``. Local."""
     for index, argument in enumerate(argv):
-        found = _VARIABLE.search(argument)
+        found = _variable_in(argument)
         if found is None:
             continue
         option, equals, value = argument.partition("=")
         if not (equals and option.startswith("-")):
             option, value = (argv[index - 1], argument) if index else ("", argument)
+        if _is_default(option.lstrip("-"), value, defaults or {}) or _variable_in(value) is None:
+            continue
         if not option.startswith("-"):
             option = "the option"
-        variable = found.group(0)
+        variable = found
         raise ConfigRefused(
             f"{option} is {_quoted(value)} on the command line: {variable} was not expanded (the shell "
             f"leaves it in single quotes, and a launcher that runs no shell leaves it as it is), and "
@@ -143,10 +172,17 @@ def check_arguments(argv: list[str]) -> None:
         )
 
 
-def check_text(text: str, *, where: str, prefix: str = "", variables: bool = True) -> None:
+def check_text(
+    text: str,
+    *,
+    where: str,
+    prefix: str = "",
+    defaults: Mapping[str, Any] | None = None,
+    variables: bool = True,
+) -> None:
     """Raise :class:`ConfigRefused` for the first duplicate key of the YAML ``text`` (from ``where``,
-    a file; its keys under ``prefix``), or with ``variables`` its first ``${NAME}`` value; YAML that
-    does not parse is left to the loader. Local."""
+    a file; its keys under ``prefix``), or with ``variables`` its first ``${NAME}`` value that is not
+    its key's default in ``defaults``; YAML that does not parse is left to the loader. Local."""
     import yaml
 
     try:
@@ -154,10 +190,31 @@ def check_text(text: str, *, where: str, prefix: str = "", variables: bool = Tru
     except yaml.YAMLError:
         return
     if node is not None:
-        _walk(node, prefix, where, variables, set())
+        _walk(node, prefix, where, (defaults or {}) if variables else None, set())
 
 
-def _walk(node: Any, key: str, where: str, variables: bool, seen: set[int]) -> None:
+def _variable_in(value: str) -> str | None:
+    """The first variable in ``value`` that a shell would have expanded: ``${NAME}``, or ``$NAME``
+    for a variable set in this environment (``$HOME``, ``$SCRATCH``; an unset ``$name`` may be a
+    template's, as in ``string.Template``)."""
+    for found in _VARIABLE.finditer(value):
+        text = found.group(0)
+        if text.startswith("${") or text[1:] in os.environ:
+            return text
+    return None
+
+
+def _is_default(key: str, value: Any, defaults: Mapping[str, Any]) -> bool:
+    """Whether ``value`` is the default of ``key`` (``model.fmt``, or
+    ``optimizer.init_args.lr`` as ``optimizer.lr``)."""
+    for name in (key, key.replace(".init_args.", ".")):
+        if name in defaults and defaults[name] == value:
+            return True
+    return False
+
+
+def _walk(node: Any, key: str, where: str, defaults: Mapping[str, Any] | None, seen: set[int]) -> None:
+    """Check ``node`` and what is under it; with ``defaults`` None, for duplicate keys only."""
     import yaml
 
     if id(node) in seen:  # an alias of a node already checked
@@ -174,15 +231,15 @@ def _walk(node: Any, key: str, where: str, variables: bool, seen: set[int]) -> N
                     earlier = first_line[pair]
                     raise ConfigRefused(_duplicate(_join(key, name), where, earlier, line, section=section))
                 first_line[pair] = line
-            _walk(value_node, _join(key, name), where, variables, seen)
+            _walk(value_node, _join(key, name), where, defaults, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, f"{key}[{index}]", where, variables, seen)
-    elif variables and isinstance(node, yaml.ScalarNode) and node.tag == _STR_TAG:
-        found = _VARIABLE.search(str(node.value))
-        if found is not None:
+            _walk(item, f"{key}[{index}]", where, defaults, seen)
+    elif defaults is not None and isinstance(node, yaml.ScalarNode) and node.tag == _STR_TAG:
+        found = _variable_in(str(node.value))
+        if found is not None and not _is_default(key, str(node.value), defaults):
             line = node.start_mark.line + 1
-            raise ConfigRefused(_variable(key, str(node.value), found.group(0), where, line))
+            raise ConfigRefused(_variable(key, str(node.value), found, where, line))
 
 
 def _join(key: str, name: str) -> str:
@@ -210,8 +267,9 @@ def _variable(key: str, value: str, variable: str, where: str, line: int) -> str
 
 
 def _shell(value: str, variable: str) -> str:
-    """``value`` with ``${NAME}`` as a shell expands it in double quotes (``$NAME``)."""
-    name = variable[2:-1]
+    """``value`` with ``${NAME}`` as a shell expands it in double quotes (``$NAME``); a ``$NAME``
+    stays as it is."""
+    name = variable[2:-1] if variable.startswith("${") else ""
     return value.replace(variable, f"${name}") if re.fullmatch(r"[A-Za-z_]\w*", name) else value
 
 
