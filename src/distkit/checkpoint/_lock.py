@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,26 @@ def _parse_holder(raw: bytes | None) -> dict[str, Any] | None:
 
 
 _unlocked_warned: set[str] = set()
+
+
+# The local locks this process holds. A forked child (a DataLoader worker) closes its copies of
+# their descriptors at once: a flock belongs to the open file description, which a fork shares, so a
+# worker outliving its SIGKILLed parent (DataLoader's watchdog notices within 5 s) would otherwise
+# keep the lock, and the restarted job be refused naming a dead pid.
+_HELD: weakref.WeakSet[_LocalWriterLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        fd, lock.fd = lock.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 class _LocalWriterLock:
@@ -153,6 +174,7 @@ class _LocalWriterLock:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, info, 0)
             self.fd, self.pid = fd, os.getpid()
+            _HELD.add(self)
             return
 
     def _open(self) -> int | None:
@@ -195,6 +217,7 @@ class _LocalWriterLock:
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
+        _HELD.discard(self)
         if fd is None:
             return
         if os.getpid() != self.pid:
