@@ -34,6 +34,7 @@ from distkit.trainer import (
     DDPStrategy,
     EarlyStopping,
     LearningRateMonitor,
+    Logger,
     ModelCheckpoint,
     TensorBoardLogger,
     ThroughputMonitor,
@@ -1334,7 +1335,7 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(t
 
     run(0.1)
     first = (tmp_path / "metrics.csv").read_text()
-    events = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    events = sorted(p.name for p in (tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     # Was: the second run's metrics.csv and hparams.json replaced the first run's, in silence, and
     # its TensorBoard events went beside the first run's: one curve restarting at step 1.
     with caplog.at_level("WARNING", logger="distkit.trainer"):
@@ -1343,12 +1344,57 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(t
     assert (tmp_path / "hparams.1.json").exists() and (tmp_path / "hparams.json").exists()
     assert (tmp_path / "metrics.csv").read_text() != first
     assert "held the metrics of an earlier run in this directory: kept as metrics.1.csv" in caplog.text
-    assert sorted(p.name for p in (tmp_path / "tensorboard.1").iterdir()) == events
+    assert sorted(p.name for p in (tmp_path / "tensorboard" / "earlier.1").iterdir()) == events
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    assert (
-        "held the TensorBoard events of an earlier run in this directory: kept as tensorboard.1"
-        in caplog.text
-    )
+    assert "held the TensorBoard events of an earlier run: moved into" in caplog.text
+
+
+def test_a_tensorboard_logger_in_the_run_directory_itself_moves_only_its_events(tmp_path) -> None:
+    def run() -> None:
+        model = SimpleModel()
+        logger = [CSVLogger(), TensorBoardLogger(save_dir=tmp_path)]
+        trainer = quiet_trainer(
+            str(tmp_path), strategy="single", max_steps=2, log_every_n_steps=1, logger=logger
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+
+    run()
+    run()
+    # Was: the whole run directory renamed to <dir>.1 at the second run's start, with the
+    # hparams.json and the held metrics.csv lock the second run had just written there.
+    assert not tmp_path.with_name(tmp_path.name + ".1").exists()
+    assert {"metrics.csv", "metrics.1.csv", "hparams.json", "hparams.1.json"} <= {
+        p.name for p in tmp_path.iterdir()
+    }
+    assert len(list((tmp_path / "earlier.1").glob("events.out.tfevents.*"))) == 1
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+
+class _FailsAtTheEnd(Logger):
+    """A tracker whose server is gone when the run finishes."""
+
+    def finalize(self) -> None:
+        raise ConnectionError("tracking server unreachable at finish")
+
+
+def test_a_logger_failing_to_finalize_does_not_keep_the_others_directories_locked(tmp_path) -> None:
+    def run(logger: list[Logger]) -> Trainer:
+        trainer = quiet_trainer(str(tmp_path), strategy="single", max_steps=2, logger=logger)
+        model = SimpleModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with contextlib.suppress(ConnectionError):
+            trainer.fit(
+                model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy
+            )
+        return trainer
+
+    first = run([_FailsAtTheEnd(), CSVLogger(), TensorBoardLogger()])
+    # Was: the CSV and TensorBoard loggers after it were never finalized, and the next fit in this
+    # process (a notebook's next cell, the first Trainer still alive) was refused as "another run
+    # writes metrics.csv", naming this very process.
+    assert run([CSVLogger(), TensorBoardLogger()]).global_step == 2
+    assert first.global_step == 2
 
 
 @pytest.mark.parametrize("running", [CSVLogger, TensorBoardLogger])
@@ -1621,6 +1667,46 @@ try:
 finally:
     torch.save({"step": trainer.global_step, "weights": model.state_dict()}, os.path.join(root, "weights.pt"))
 """
+
+
+KILLED_WITH_WORKERS = """
+import os, signal, sys, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import distkit
+
+class Die(distkit.trainer.Callback):
+    def on_train_step_end(self, trainer, loss):
+        if trainer.global_step == 3:  # checkpoint and logs written, the loader's workers busy
+            os.kill(os.getpid(), signal.SIGKILL)
+
+data = TensorDataset(torch.randn(512, 4), torch.randint(0, 2, (512,)))
+loader = DataLoader(data, batch_size=8, num_workers=2)  # forked: they share the locks' files
+model = nn.Linear(4, 2)
+trainer = distkit.Trainer(
+    default_root_dir=sys.argv[1], max_epochs=1, enable_progress_bar=False, callbacks=[
+        Die(), distkit.trainer.ModelCheckpoint(every_n_steps=2)]
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer.fit(model, loader, optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+"""
+
+
+def test_a_killed_run_lets_go_of_its_locks_at_once_though_its_loader_workers_live_on(tmp_path) -> None:
+    from distkit.checkpoint._lock import _LocalWriterLock
+
+    root = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:  # not a pipe: reading one to its end would wait for the workers too
+        job = subprocess.Popen([sys.executable, "-c", KILLED_WITH_WORKERS, str(root)], stdout=out, stderr=out)
+        assert job.wait(timeout=120) == -signal.SIGKILL, log.read_text()[-2000:]
+    # Was: the orphaned workers held the flock of metrics.csv and of the checkpoint directory
+    # until DataLoader's watchdog ended them (up to 5 s), so a restart at once (torchrun
+    # --max-restarts) was refused naming the dead pid.
+    for path in (root / "metrics.csv", root / "checkpoints"):
+        lock = _LocalWriterLock(str(path), 0o600)
+        lock.acquire()
+        lock.release()
 
 
 def test_sigterm_mid_step_in_one_process_keeps_that_step_saves_and_resumes_exactly(tmp_path) -> None:

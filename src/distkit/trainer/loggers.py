@@ -122,7 +122,7 @@ def _claim(path: Path) -> _LocalWriterLock:
     def refuse(holder: str, lock: str) -> DistkitError:
         return DistkitError(
             f"another run writes {path}: {holder} (lock {lock}). Two runs logging to one "
-            f"directory mix their rows. Give this run a default_root_dir of its own (or the logger "
+            f"directory mix their metrics. Give this run a default_root_dir of its own (or the logger "
             f"a save_dir of its own), or wait for that run to end; the lock is released when its "
             f"holder exits or dies, even when killed."
         )
@@ -159,23 +159,24 @@ def _keep_earlier_run(path: Path) -> None:
 
 
 def _keep_earlier_events(directory: Path) -> None:
-    """A fresh run where an earlier one left TensorBoard events: they are kept in the first free
-    ``<directory>.<n>`` (TensorBoard shows it as a run of its own), not mixed into this run's curves,
-    which would restart at step 1 on the same plot."""
-    if not directory.is_dir() or not any(directory.glob("events.out.tfevents.*")):
+    """A fresh run where an earlier one left TensorBoard events: they move into the first free
+    ``<directory>/earlier.<n>/`` (TensorBoard shows it as a run of its own), not mixed into this
+    run's curves, which would restart at step 1 on the same plot. Only the event files move: the
+    directory may be the run's own (``TensorBoardLogger(save_dir=default_root_dir)``), holding this
+    run's other files and locks."""
+    events = sorted(directory.glob("events.out.tfevents.*")) if directory.is_dir() else []
+    if not events:
         return
-
-    def numbered(number: int) -> Path:
-        return directory.with_name(f"{directory.name}.{number}")
-
-    kept = numbered(_first_free(numbered))
-    os.replace(directory, kept)
+    number = _first_free(lambda n: directory / f"earlier.{n}")
+    kept = directory / f"earlier.{number}"
+    make_private_dir(kept)
+    for path in events:
+        os.replace(path, kept / path.name)
     _log.warning(
-        "%s held the TensorBoard events of an earlier run in this directory: kept as %s; this run "
-        "writes a new %s. Give each run its own default_root_dir to keep them apart.",
+        "%s held the TensorBoard events of an earlier run: moved into %s; this run writes new ones "
+        "beside it. Give each run its own default_root_dir to keep them apart.",
         directory,
-        kept.name,
-        directory.name,
+        kept,
     )
 
 
@@ -317,11 +318,11 @@ class TensorBoardLogger(Logger):
                 "TensorBoardLogger needs the tensorboard package: pip install 'distkit[tensorboard]'."
             ) from err
         directory = self.save_dir or save_dir / "tensorboard"
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = _claim(directory)
+        make_private_dir(directory)
+        # Inside the folder, which is the logger's (a save_dir of "." has no "beside" of its own).
+        self._lock = _claim(directory / "events")
         if resume_step is None:
             _keep_earlier_events(directory)
-        make_private_dir(directory)
         # SummaryWriter purges the events at steps >= purge_step; those at the resumed step itself
         # were written before its checkpoint and are kept, as CSVLogger keeps its rows.
         purge_step = None if resume_step is None else resume_step + 1
@@ -338,9 +339,11 @@ class TensorBoardLogger(Logger):
         self._writer.flush()
 
     def finalize(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        try:
+            if self._writer is not None:
+                writer, self._writer = self._writer, None
+                writer.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None

@@ -263,9 +263,19 @@ def _note_schedule_end(trainer: Options, err: BaseException) -> None:
 
 def finalize_loggers(trainer: Options) -> None:
     """Finalise the loggers on the main process, at the end of every ``fit`` (a failed one too)."""
-    if runtime.is_main_process():
-        for logger in trainer.loggers:
+    if not runtime.is_main_process():
+        return
+    # Every logger, even after one raised (a tracking server gone at the end): the others close
+    # their files and let go of their directories' locks, or the next fit in this process (a
+    # notebook's) would be refused as another run. The first error goes on.
+    failed: BaseException | None = None
+    for logger in trainer.loggers:
+        try:
             logger.finalize()
+        except BaseException as err:
+            failed = failed or err
+    if failed is not None:
+        raise failed
 
 
 def named_checkpoint(trainer: Options, which: str) -> str | None:
