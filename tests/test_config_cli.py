@@ -871,3 +871,13 @@ def test_a_config_file_that_is_not_utf8_is_named_with_the_fix(
     # Was: a UnicodeDecodeError traceback.
     err = cli_error(["--config", str(config)], capsys)
     assert f"the config file {config} is not UTF-8 text (byte 0xe9 at offset" in err, err
+
+
+def test_a_rerun_over_a_runs_checkpoints_is_refused_with_the_command_lines_fixes(tmp_path: Path) -> None:
+    make_cli(run_args(tmp_path), run=True)
+    # Was: the Python API's fixes, Trainer(resume='auto') and callbacks=[ModelCheckpoint(...)].
+    with pytest.raises(distkit.CheckpointConflictError) as refused:
+        make_cli(["--config", str(tmp_path / "config.yaml")], run=True)
+    said = str(refused.value)
+    assert "(--trainer.resume not given). Continue that run with --trainer.resume auto" in said, said
+    assert "--trainer.default_root_dir DIR" in said and "Trainer(" not in said

@@ -530,12 +530,29 @@ def claim(trainer: Options, checkpoint: ModelCheckpoint) -> None:
             raise
         first, last = err.steps[0], err.steps[-1]
         steps = f"step {first}" if first == last else f"steps {first}..{last}"
+        if trainer.run_config is not None:  # a TrainerCLI run: its options, as its user writes them
+            given = (
+                "--trainer.resume not given"
+                if trainer.resume is None
+                else f"--trainer.resume {trainer.resume}"
+            )
+            fixes = (
+                "--trainer.resume auto",
+                "--trainer.default_root_dir DIR",
+                "a ModelCheckpoint with overwrite: true in trainer.callbacks",
+            )
+        else:
+            given = f"resume={trainer.resume!r}"
+            fixes = (
+                "Trainer(resume='auto')",
+                "Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)",
+                "callbacks=[ModelCheckpoint(overwrite=True)]",
+            )
         raise CheckpointConflictError(
             f"{redact_url(str(checkpoint.directory))} already holds the checkpoints of another run "
-            f"({steps}), and this fit() starts a new one (resume={trainer.resume!r}). Continue that "
-            f"run with Trainer(resume='auto'); or write to another "
-            f"directory (Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)); or start "
-            f"over with callbacks=[ModelCheckpoint(overwrite=True)], which deletes them.",
+            f"({steps}), and this fit() starts a new one ({given}). Continue that run with "
+            f"{fixes[0]}; or write to another directory ({fixes[1]}); or start over with {fixes[2]}, "
+            f"which deletes them.",
             directory=err.directory,
             steps=err.steps,
             label=err._label,
