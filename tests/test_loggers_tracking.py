@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import struct
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from distkit.errors import DistkitError
 from distkit.trainer import Callback, CSVLogger, ModelCheckpoint, Trainer
 from distkit.trainer.tracking import MLflowLogger, WandbLogger
 
@@ -316,6 +318,24 @@ def test_last_checkpoint_path_is_an_mlflow_tag_and_in_the_wandb_summary(tmp_path
     assert run.data.tags["distkit.checkpoint_step"] == "6"
     (attempt,) = wandb_attempts(root)
     assert (attempt["summary"]["checkpoint"], attempt["summary"]["checkpoint_step"]) == (last, 6)
+
+
+@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+def test_a_second_run_tracking_from_the_same_directory_at_once_is_refused(tmp_path, kind) -> None:
+    def make() -> Any:
+        return (
+            MLflowLogger(EXPERIMENT) if kind == "mlflow" else WandbLogger("tests", init_kwargs=WANDB_SETTINGS)
+        )
+
+    running = make()
+    running.setup(tmp_path, None)  # the run in progress: its logger set up, as fit sets it up
+    state = tmp_path / running._STATE_FILE
+    # Was: accepted; the second run took the first's place in mlflow_run.json / wandb_run.json (a
+    # resume then continued the wrong run), and emptied the first's wandb journal.
+    with pytest.raises(DistkitError, match=rf"another run writes {re.escape(str(state))}"):
+        fit(str(tmp_path), [make()])
+    running.finalize()
+    assert fit(str(tmp_path), [make()]).global_step == 16
 
 
 def ddp_fit_with_both_loggers(root: str) -> dict[str, Any]:

@@ -266,6 +266,10 @@ class CSVLogger(Logger):
             self._lock.release()
             self._lock = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock is the process's that took it: a copy sent to the processes fit() starts has none.
+        return {**self.__dict__, "_lock": None}
+
     def _rewrite(self) -> None:
         assert self.path is not None
         with atomic_open(self.path, mode=FILE_MODE) as raw:

@@ -28,7 +28,8 @@ from typing import IO, Any, Literal, TypeVar
 from distkit import runtime
 from distkit._utils.fs import atomic_open
 from distkit._utils.secrets import Scrubber, redact_argv, redact_data, redact_text, redact_url
-from distkit.trainer.loggers import FILE_MODE, Logger, make_private_dir, metric_names, plain_params
+from distkit.checkpoint._lock import _LocalWriterLock
+from distkit.trainer.loggers import FILE_MODE, Logger, _claim, make_private_dir, metric_names, plain_params
 
 __all__ = ["MLflowLogger", "WandbLogger"]
 
@@ -105,6 +106,7 @@ class MLflowLogger(Logger):
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.run_id: str | None = None
         self._client: Any = None
+        self._lock: _LocalWriterLock | None = None
         self._logged_through: dict[str, int] = {}  # metric -> last step the run holds
         self._params: dict[str, str] = {}
 
@@ -131,11 +133,19 @@ class MLflowLogger(Logger):
         self._scrubbed(self._log_checkpoint, path, step)
 
     def finalize(self) -> None:
-        self._scrubbed(self._finalize)
+        try:
+            self._scrubbed(self._finalize)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _setup(self, save_dir: Path, resume_step: int | None) -> None:
         directory = self.save_dir or save_dir
         directory.mkdir(parents=True, exist_ok=True)
+        # One run at a time names its run in mlflow_run.json: a second would take the first's
+        # place there, and a resume would continue the wrong run.
+        self._lock = _claim(directory / self._STATE_FILE)
         if self.tracking_uri is None:
             make_private_dir(directory / "mlruns")  # the store's files are the owner's, as the checkpoints
         uri = self.tracking_uri or (directory.resolve() / "mlruns").as_uri()
@@ -244,7 +254,7 @@ class MLflowLogger(Logger):
 
     def __getstate__(self) -> dict[str, Any]:
         # A client belongs to one process: the processes fit() starts get the settings only.
-        return {**self.__dict__, "_client": None}
+        return {**self.__dict__, "_client": None, "_lock": None}
 
 
 class WandbLogger(Logger):
@@ -334,6 +344,7 @@ class WandbLogger(Logger):
         self.run: Any = None
         self._state_path: Path | None = None
         self._journal_path: Path | None = None
+        self._lock: _LocalWriterLock | None = None
         self._journal: IO[str] | None = None
         # The last step the run's earlier attempts hold: the resumed attempt logs only after it.
         self._last_held = -1
@@ -343,6 +354,8 @@ class WandbLogger(Logger):
 
         directory = self.save_dir or save_dir
         directory.mkdir(parents=True, exist_ok=True)
+        # One run at a time keeps wandb_run.json and the journal (which a fresh run empties).
+        self._lock = _claim(directory / self._STATE_FILE)
         make_private_dir(directory / "wandb")  # wandb's files are the owner's, as the checkpoints
         self._state_path = directory / self._STATE_FILE
         self._journal_path = directory / self._JOURNAL_FILE
@@ -427,6 +440,14 @@ class WandbLogger(Logger):
         self.run.summary["checkpoint_step"] = step
 
     def finalize(self) -> None:
+        try:
+            self._finish()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _finish(self) -> None:
         if self.run is None:
             return
         run, self.run = self.run, None
@@ -449,7 +470,7 @@ class WandbLogger(Logger):
                 _write_journal(self._journal_path, [])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "run": None, "_journal": None}
+        return {**self.__dict__, "run": None, "_journal": None, "_lock": None}
 
 
 def _require(module: str, who: str, extra: str) -> None:
