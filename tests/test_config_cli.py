@@ -795,6 +795,10 @@ def test_an_empty_section_is_refused_not_read_as_dropping_every_default(
     err = cli_error(["--config", str(config)], capsys)
     assert f"trainer: in {config} is empty, which YAML reads as null" in err, err
     assert "write trainer: {} for none" in err
+    config.write_text("model:\n  hidden: 4\noptimizer:\n  # class_path: SGD\n")
+    # Was: a TypeError from fit, "optimizer must be a torch.optim.Optimizer ..., got NoneType".
+    err = cli_error(["--config", str(config)], capsys)
+    assert f"optimizer: in {config} is empty" in err and "delete the line to keep the script's" in err, err
 
 
 def test_a_string_value_that_reads_as_yaml_is_a_value_not_a_config_with_duplicate_keys(

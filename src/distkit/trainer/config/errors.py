@@ -537,14 +537,19 @@ def misshapen_sections(argv: list[str], parser: ArgumentParser | None = None) ->
             continue  # jsonargparse names these
         if not isinstance(data, dict):
             continue
-        empty = next((key for key in groups if key in data and data[key] is None), None)
+        # (optimizer: null too: a fit needs one; lr_scheduler: null is "none", as meant.)
+        empty = next((key for key in [*groups, "optimizer"] if key in data and data[key] is None), None)
         if empty is not None:
             # YAML reads `trainer:` with nothing after it (every line below commented out) as null,
             # and jsonargparse then drops every default of the section: the script's own too.
+            fix = (
+                "Give it a class_path (and init_args), or delete the line to keep the script's"
+                if empty == "optimizer"
+                else f"Give it its arguments, write {empty}: {{}} for none, or delete the line"
+            )
             return (
                 f"{empty}: in {path} is empty, which YAML reads as null: the run would lose every "
-                f"{empty} default, the script's included. Give it its arguments, write {empty}: {{}} "
-                f"for none, or delete the line."
+                f"{empty} default, the script's included. {fix}."
             )
         shapes = [(key, data.get(key), groups[key]) for key in groups]
         shapes += [
