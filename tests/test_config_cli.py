@@ -827,6 +827,7 @@ def test_a_config_read_from_a_pipe_is_read_by_the_parser_whole(tmp_path: Path) -
 def test_variables_a_shell_would_expand_are_refused_and_the_scripts_own_defaults_are_not(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # where the literal directory would go, were the value taken
     monkeypatch.setenv("DISTKIT_TEST_SCRATCH", "/scratch")
     config = tmp_path / "run.yaml"
     config.write_text("trainer:\n  default_root_dir: $DISTKIT_TEST_SCRATCH/runs\n")
