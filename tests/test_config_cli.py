@@ -514,6 +514,10 @@ def test_a_duplicate_key_in_any_config_file_is_refused_naming_the_file_the_key_a
             ["--trainer", "{batch_size: 4, batch_size: 8}"],
             "key trainer.batch_size in a value on the command line",
         ),
+        (
+            ["--optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.1, lr: 0.2}}"],
+            "key optimizer.init_args.lr in a value on the command line",
+        ),
     ]
     for args, expected in cases:
         err = cli_error(["--model.hidden", "4", *args], capsys)
@@ -810,18 +814,32 @@ def test_a_string_value_that_reads_as_yaml_is_a_value_not_a_config_with_duplicat
     assert named_cli(["--model.name", "{epoch, epoch}"]).model.name == "{epoch, epoch}"
 
 
-def test_a_config_read_from_a_pipe_is_read_by_the_parser_whole(tmp_path: Path) -> None:
+def test_a_config_read_from_a_pipe_is_read_by_the_parser_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import os
 
-    read, write = os.pipe()
-    os.write(write, b"model:\n  hidden: 5\n")
-    os.close(write)
+    def piped(text: bytes) -> int:
+        read, write = os.pipe()
+        os.write(write, text)
+        os.close(write)
+        return read
+
+    read = piped(b"model:\n  hidden: 5\n")
     try:
         # Was: "Unexpected config: ", the checks having read the pipe before jsonargparse.
         cli = make_cli(["--config", f"/dev/fd/{read}"])
     finally:
         os.close(read)
     assert cli.run_config["model"]["hidden"] == 5
+    # And the checks read it too (its copy): an empty section, named as the pipe it came from.
+    read = piped(b"model:\n  hidden: 5\ntrainer:\n  # max_epochs: 3\n")
+    try:
+        with pytest.raises(SystemExit):
+            make_cli(["--config", f"/dev/fd/{read}"])
+    finally:
+        os.close(read)
+    assert f"trainer: in /dev/fd/{read} is empty" in capsys.readouterr().err
 
 
 def test_variables_a_shell_would_expand_are_refused_and_the_scripts_own_defaults_are_not(

@@ -22,8 +22,9 @@ import inspect
 import io
 import os
 import sys
+import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -302,9 +303,18 @@ class TrainerCLI:
         return parser
 
     def _parse(self, argv: list[str]) -> Namespace:
+        with _piped_configs(argv) as (readable, self._copies):
+            try:
+                return self._parse_files(readable)
+            finally:
+                self._copies = {}
+
+    def _parse_files(self, argv: list[str]) -> Namespace:
         env = _launch_env()
         try:
-            _config_loader.check_command_line(argv, _config_errors.sections(self.parser), self._defaults())
+            _config_loader.check_command_line(
+                argv, _config_errors.sections(self.parser), self._defaults(), _text_options(self.parser)
+            )
         except _config_loader.ConfigRefused as slip:
             self._fail(str(slip), env, argv)
         misshapen = _config_errors.misshapen_sections(argv, self.parser)
@@ -342,6 +352,8 @@ class TrainerCLI:
         prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
         # The message quotes what was given: its credentials go, as in distkit's other messages.
         message = _given_options(argv).text(message)
+        for copy, given in getattr(self, "_copies", {}).items():  # a piped config, as it was given
+            message = message.replace(copy, given)
         print(f"{self.parser.prog}: error: {prefix}{message}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -394,6 +406,47 @@ class TrainerCLI:
 
 # ------------------------------------------------------------------------------------------------
 # Helpers
+
+
+@contextlib.contextmanager
+def _piped_configs(argv: list[str]) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """``argv`` with each ``--config`` that is a pipe (``<(envsubst < run.yaml)``, ``/dev/stdin``)
+    read once into a private temporary copy, which the checks and jsonargparse can each read; and
+    ``{copy: the path given}``, for messages to name the given one. The copies go afterwards."""
+    piped = [
+        path
+        for path in _config_errors.config_paths(argv)
+        if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    ]
+    if not piped:
+        yield argv, {}
+        return
+    with tempfile.TemporaryDirectory(prefix="distkit-config-") as directory:  # 0700
+        copies: dict[str, str] = {}
+        readable = list(argv)
+        for index, path in enumerate(piped):
+            with open(path, "rb") as source:
+                text = source.read()
+            copy = os.path.join(directory, f"config-{index}.yaml")
+            with os.fdopen(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as handle:
+                handle.write(text)
+            copies[copy] = path
+            readable = [
+                copy if arg == path else f"--config={copy}" if arg == f"--config={path}" else arg
+                for arg in readable
+            ]
+        yield readable, copies
+
+
+def _text_options(parser: ArgumentParser) -> set[str]:
+    """The options whose value is text (``--model.fmt``): a value there that reads as YAML
+    (``'{epoch, epoch}'``) is text, not a mapping to check."""
+    found = set()
+    for action in parser._actions:
+        hint = getattr(action, "_typehint", None) or action.type
+        if hint is str or hint == (str | None):
+            found.add(action.dest)
+    return found
 
 
 def _missing_resume(resume: str | None, argv: list[str]) -> str | None:

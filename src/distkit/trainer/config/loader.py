@@ -82,14 +82,18 @@ def _whole_file(path: str, text: str) -> bool:
 
 
 def check_command_line(
-    argv: list[str], sections: Iterable[str], defaults: Mapping[str, Any] | None = None
+    argv: list[str],
+    sections: Iterable[str],
+    defaults: Mapping[str, Any] | None = None,
+    text_options: Iterable[str] = (),
 ) -> None:
     """Refuse a duplicate key or a ``${NAME}`` in the config files of ``argv`` (``--config FILE``, and
     a section's own file: ``--data data.yaml``, or ``trainer: trainer.yaml`` in a config file, for a
-    section in ``sections``) and a ``${NAME}`` in its values, before jsonargparse reads them
-    (:class:`ConfigRefused`). A value equal to its key's default in ``defaults`` (flat, dotted
-    keys) is the script's own, and not refused: a saved ``config.yaml`` or ``--print_config``
-    holds it. Local."""
+    section in ``sections``) and a ``${NAME}`` in its values, before jsonargparse reads them, and a
+    duplicate key in a mapping or list given as an option's value (``--optimizer '{...}'``), but
+    for the ``text_options``, whose values are text (:class:`ConfigRefused`). A value equal to its
+    key's default in ``defaults`` (flat, dotted keys) is the script's own, and not refused: a saved
+    ``config.yaml`` or ``--print_config`` holds it. Local."""
     sections = set(sections)
     defaults = defaults or {}
     check_arguments(argv, defaults)
@@ -97,17 +101,19 @@ def check_command_line(
         check_file(path, defaults=defaults)
         for section, nested in _section_files(path, sections):
             check_file(nested, prefix=section, defaults=defaults)
-    options = {f"--{section}": section for section in sections}
+    text = set(text_options)
     for index, argument in enumerate(argv):
         option, equals, value = argument.partition("=")
-        if option not in options:
+        if not option.startswith("--") or option in ("--config", "--print_config"):
             continue
         if not equals:
             value = argv[index + 1] if index + 1 < len(argv) else ""
-        if os.path.isfile(value):
-            check_file(value, prefix=options[option], defaults=defaults)
-        else:  # the section's mapping itself: --trainer '{max_epochs: 3, max_epochs: 5}'
-            check_text(value, where="a value on the command line", prefix=options[option], variables=False)
+        key = option[2:]
+        if key in sections and os.path.isfile(value):
+            check_file(value, prefix=key, defaults=defaults)
+        elif key not in text and value.lstrip()[:1] in ("{", "["):
+            # A mapping or a list: --trainer '{max_epochs: 3, max_epochs: 5}', --optimizer '{...}'.
+            check_text(value, where="a value on the command line", prefix=key, variables=False)
 
 
 def check_file(path: str, *, prefix: str = "", defaults: Mapping[str, Any] | None = None) -> None:
