@@ -1669,6 +1669,30 @@ finally:
 """
 
 
+class _Boom(Callback):
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        raise RuntimeError("boom at step 1")
+
+
+def test_a_failing_fit_shows_its_own_error_though_a_logger_fails_to_finalize(tmp_path, caplog) -> None:
+    trainer = quiet_trainer(
+        str(tmp_path),
+        strategy="single",
+        max_steps=4,
+        logger=[_FailsAtTheEnd(), CSVLogger()],
+        callbacks=[_Boom()],
+    )
+    model = SimpleModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The training error is the one to see; the logger's own failure is told beside it.
+    with (
+        caplog.at_level("WARNING", logger="distkit.trainer"),
+        pytest.raises(RuntimeError, match="boom at step 1"),
+    ):
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+    assert "_FailsAtTheEnd could not finish: tracking server unreachable at finish" in caplog.text
+
+
 KILLED_WITH_WORKERS = """
 import os, signal, sys, torch
 from torch import nn

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ class Logger:
 
     def finalize(self) -> None:
         """Flush and close; called at the end of ``fit``, also when it fails."""
+
+
+def _failing() -> bool:
+    """Whether ``fit`` is failing: the Trainer finalizes its loggers in a ``finally`` clause, where
+    the exception on its way up is visible. A clean ``SystemExit`` (preemption) is no failure."""
+    error = sys.exc_info()[1]
+    return error is not None and not (isinstance(error, SystemExit) and error.code in (0, None))
 
 
 def _first_free(named: Callable[[int], Path]) -> int:

@@ -29,7 +29,15 @@ from distkit import runtime
 from distkit._utils.fs import atomic_open
 from distkit._utils.secrets import Scrubber, redact_argv, redact_data, redact_text, redact_url
 from distkit.checkpoint._lock import _LocalWriterLock
-from distkit.trainer.loggers import FILE_MODE, Logger, _claim, make_private_dir, metric_names, plain_params
+from distkit.trainer.loggers import (
+    FILE_MODE,
+    Logger,
+    _claim,
+    _failing,
+    make_private_dir,
+    metric_names,
+    plain_params,
+)
 
 __all__ = ["MLflowLogger", "WandbLogger"]
 
@@ -531,13 +539,6 @@ def _stop_wandb_service() -> None:
         wandb.teardown()
     except SystemExit as err:  # teardown exits when the service reports a failure
         _log.warning("WandbLogger: wandb's service ended with code %s", err.code)
-
-
-def _failing() -> bool:
-    """Whether ``fit`` is failing: the Trainer calls ``finalize`` in a ``finally`` clause, where
-    the exception on its way up is visible. A clean ``SystemExit`` (preemption) is no failure."""
-    error = sys.exc_info()[1]
-    return error is not None and not (isinstance(error, SystemExit) and error.code in (0, None))
 
 
 def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

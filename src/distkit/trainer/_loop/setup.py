@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from distkit import runtime
-from distkit._utils.secrets import redact_url
+from distkit._utils.secrets import redact_text, redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
 from distkit.collectives import all_gather_object
 from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
@@ -36,7 +36,7 @@ from distkit.trainer._loop.step import _StepModule
 from distkit.trainer._run import Options, Run, checkpoint_callback
 from distkit.trainer.callbacks import Callback, ModelCheckpoint, check_hooks
 from distkit.trainer.config import run_config as _run_config
-from distkit.trainer.loggers import CSVLogger, Logger
+from distkit.trainer.loggers import CSVLogger, Logger, _failing
 from distkit.trainer.precision import Precision
 from distkit.trainer.profiler import TorchProfiler, _TorchProfilerCallback
 from distkit.trainer.progress import _default_progress, _ProgressBar
@@ -268,13 +268,16 @@ def finalize_loggers(trainer: Options) -> None:
     # Every logger, even after one raised (a tracking server gone at the end): the others close
     # their files and let go of their directories' locks, or the next fit in this process (a
     # notebook's) would be refused as another run. The first error goes on.
+    failing = _failing()  # fit's own error is on its way up: it is the one to see
     failed: BaseException | None = None
     for logger in trainer.loggers:
         try:
             logger.finalize()
         except BaseException as err:
+            if failing:
+                _log.warning("%s could not finish: %s", type(logger).__name__, redact_text(str(err)))
             failed = failed or err
-    if failed is not None:
+    if failed is not None and not failing:
         raise failed
 
 
