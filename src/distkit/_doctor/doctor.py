@@ -81,6 +81,9 @@ _VERDICT_POLL_S = 1.0
 # How long a query waits for live ranks' answers. A responder answers within milliseconds unless
 # the rank holds the GIL in C code (then it is named as silent).
 _QUERY_ANSWER_S = 3.0
+# How long a rank asked where it is waits for its own failure's record to be written (a source
+# parse, tens of milliseconds on a busy machine), well within the asker's _QUERY_ANSWER_S.
+_RECORDING_WAIT_S = 1.0
 _ROLL_CALL_ANSWER_S = 5.0
 # How long a rank waits for the reporting rank's report before it exits on its own.
 _FOLLOW_S = 60.0
@@ -486,8 +489,11 @@ class Doctor:
         self.workload: str | None = None
         # What this rank answers while its watched thread unwinds a failure (set before a roll call).
         self._local_answer: dict[str, Any] | None = None
-        # This rank's own exception, once it is ending with one (see record_failure).
+        # This rank's own exception, once it is ending with one (see record_failure), and whether
+        # record_failure is writing it down (its location takes a parse of the source file).
         self._raised: dict[str, Any] | None = None
+        self._recording = False
+        self._recorded = threading.Event()
         # Threads and their connections.
         self.available = False
         self._responder: threading.Thread | None = None
@@ -753,6 +759,10 @@ class Doctor:
                     request = json.loads(store.get(_key("ask", number)))
                     if request.get("from") == self.rank:
                         continue
+                    if self._local_answer is None and self._recording:
+                        # This rank is writing down its own failure: answer with it, not with where
+                        # its main thread is meanwhile (busy in distkit's own code, as if stuck).
+                        self._recorded.wait(_RECORDING_WAIT_S)
                     answer = self._local_answer or self.where()
                     store.set(_key("answer", number, self.rank), json.dumps(answer))
                     store.add(_key("answered", number), 1)
@@ -992,11 +1002,17 @@ class Doctor:
         """
         if self._raised is not None or isinstance(exc, SystemExit) or _waited(exc):
             return
-        frames = _hang_where.traceback_frames(exc.__traceback__)
-        answer = self.where(frames, kind="raised", note=exception_note(exc))
-        del frames
-        answer["time"] = time.time()
-        self._raised = self._local_answer = answer
+        self._recorded.clear()
+        self._recording = True
+        try:
+            frames = _hang_where.traceback_frames(exc.__traceback__)
+            answer = self.where(frames, kind="raised", note=exception_note(exc))
+            del frames
+            answer["time"] = time.time()
+            self._raised = self._local_answer = answer
+        finally:
+            self._recording = False
+            self._recorded.set()
         with contextlib.suppress(Exception):
             # The connection in hand (this thread's): a new one to a store whose host has died
             # would retry for the store's whole timeout.
