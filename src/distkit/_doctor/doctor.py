@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -490,7 +490,7 @@ class Doctor:
         # What this rank answers while its watched thread unwinds a failure (set before a roll call).
         self._local_answer: dict[str, Any] | None = None
         # This rank's own exception, once it is ending with one (see record_failure), and whether
-        # record_failure is writing it down (its location takes a parse of the source file).
+        # this rank is writing down where its failure is (_writing_down).
         self._raised: dict[str, Any] | None = None
         self._recording = False
         self._recorded = threading.Event()
@@ -1002,23 +1002,31 @@ class Doctor:
         """
         if self._raised is not None or isinstance(exc, SystemExit) or _waited(exc):
             return
-        self._recorded.clear()
-        self._recording = True
-        try:
+        with self._writing_down():
             frames = _hang_where.traceback_frames(exc.__traceback__)
             answer = self.where(frames, kind="raised", note=exception_note(exc))
             del frames
             answer["time"] = time.time()
             self._raised = self._local_answer = answer
-        finally:
-            self._recording = False
-            self._recorded.set()
         with contextlib.suppress(Exception):
             # The connection in hand (this thread's): a new one to a store whose host has died
             # would retry for the store's whole timeout.
             self.store.set(_key("raised", self.rank), json.dumps(answer))
         callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         write_elastic_error(f"{self.label} {exception_note(exc)}", callstack, int(answer["time"]))
+
+    @contextlib.contextmanager
+    def _writing_down(self) -> Iterator[None]:
+        """While this rank works out where its own failure is (the location takes a source parse,
+        tens of ms on a busy machine), a rank asking where it is gets that answer, once set as
+        ``_local_answer``, not the main thread's frames meanwhile (busy in distkit's own code)."""
+        self._recorded.clear()
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+            self._recorded.set()
 
     def carry_on(self) -> None:
         """This rank goes on after an exception it recorded as ending it (the caller caught what
@@ -1041,7 +1049,12 @@ class Doctor:
         if self._ending:
             self._end_here()  # the other ranks' exits broke this thread's collective: stay quiet
         watched = threading.get_ident() == self.watched
-        local = self._failure_answer(exc, None) if watched else None
+        local = None
+        if watched:
+            with self._writing_down():
+                local = self._failure_answer(exc, None)
+                if local is not None:
+                    self._local_answer = local
         if watched and local is None:
             self.record_failure(exc)
         previous = self._previous_hook or sys.__excepthook__
@@ -1086,7 +1099,10 @@ class Doctor:
         if self.timeout is None and not always:
             return
         if local is None:
-            local = self._failure_answer(exc, frames)
+            with self._writing_down():
+                local = self._failure_answer(exc, frames)
+                if local is not None:
+                    self._local_answer = local
         if local is None:
             return
         header = f"distkit: a collective failed on rank {self.rank}. Where each rank is:"
