@@ -17,13 +17,14 @@ the parser (any other file, YAML given as a value on the command line), so none 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from distkit.trainer.config.errors import config_files
+from distkit.trainer.config.errors import config_files, shown
 
 __all__: list[str] = []
 
@@ -75,10 +76,18 @@ def load(text: str, path: str = "") -> Any:
 def _whole_file(path: str, text: str) -> bool:
     """Whether ``text`` is the whole of the regular file at ``path``."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read() == text
+        stat = os.stat(path)
+        return _file_text(path, stat.st_mtime_ns, stat.st_size) == text
     except (OSError, UnicodeDecodeError):
         return False
+
+
+@functools.lru_cache(maxsize=16)
+def _file_text(path: str, mtime_ns: int, size: int) -> str:
+    """The text of a config file, read once per version: jsonargparse loads each string value of a
+    file through the loader too, which asks :func:`_whole_file` each time."""
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
 
 
 def check_command_line(
@@ -171,7 +180,7 @@ def check_arguments(argv: list[str], defaults: Mapping[str, Any] | None = None) 
             option = "the option"
         variable = found
         raise ConfigRefused(
-            f"{option} is {_quoted(value)} on the command line: {variable} was not expanded (the shell "
+            f"{option} is {shown(value)} on the command line: {variable} was not expanded (the shell "
             f"leaves it in single quotes, and a launcher that runs no shell leaves it as it is), and "
             f"distkit does not expand it, so the run would use that text as it is. Write the value out, "
             f'or let the shell expand it in double quotes: {option} "{_shell(value, variable)}".'
@@ -265,7 +274,7 @@ def _duplicate(key: str, where: str, first: int, second: int, *, section: bool) 
 def _variable(key: str, value: str, variable: str, where: str, line: int) -> str:
     option = key.replace(".init_args.", ".") or "KEY"
     return (
-        f"{key or 'the value'} in {where} (line {line}) is {_quoted(value)}: {variable} is not expanded "
+        f"{key or 'the value'} in {where} (line {line}) is {shown(value)}: {variable} is not expanded "
         f"in a config file (distkit expands no variables: what the file says is what runs), so the run "
         f"would use that text as it is. Write the value out in the file, or take it out of the file and "
         f'give it on the command line, where the shell expands it: --{option} "{_shell(value, variable)}".'
@@ -277,10 +286,6 @@ def _shell(value: str, variable: str) -> str:
     stays as it is."""
     name = variable[2:-1] if variable.startswith("${") else ""
     return value.replace(variable, f"${name}") if re.fullmatch(r"[A-Za-z_]\w*", name) else value
-
-
-def _quoted(value: str) -> str:
-    return repr(value if len(value) <= 200 else value[:200] + "...")
 
 
 def _loading_file() -> str | None:
