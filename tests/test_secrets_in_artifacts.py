@@ -299,3 +299,14 @@ def test_a_hang_report_file_is_the_owners_only_and_redacted(tmp_path: pathlib.Pa
     assert error is None and path is not None
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600  # was 0644: stacks and errors are the run's
     assert found_in(pathlib.Path(path).read_bytes()) == []
+
+
+def test_a_url_ending_a_clause_keeps_the_colon_after_it() -> None:
+    from distkit._utils.secrets import Scrubber, redact_text
+
+    url = "memory://alice:s3cretPW@bucket/run?token=T0KENVALUE"
+    # Was: "...?token=*** nothing": the colon that ends the clause taken as part of the URL.
+    assert redact_text(f"no checkpoint at {url}: nothing there") == (
+        "no checkpoint at memory://***@bucket/run?token=***: nothing there"
+    )
+    assert Scrubber({"resume": url}).text(f"at {url}: x") == "at memory://***@bucket/run?token=***: x"

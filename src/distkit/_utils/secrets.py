@@ -67,7 +67,7 @@ _REDACTED = "***"
 # Credentials that need no configured value to be recognised: URLs (their user part and query
 # values), the values of credential headers however a library prints them ('Authorization':
 # 'Bearer ...', Cookie: a=b, b'AWS4-HMAC-SHA256 Credential=...'), and bearer tokens.
-_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>).,;]")
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>).,;:]")
 _HEADER_RE = re.compile(
     r"(?i)\b((?:proxy-)?authorization|(?:set-)?cookie|x-api-key|api-key|x-auth-token|"
     r"x-amz-security-token|x-goog-api-key|ocp-apim-subscription-key)"
