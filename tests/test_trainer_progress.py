@@ -7,11 +7,13 @@ import contextlib
 import csv
 import fcntl
 import io
+import itertools
 import os
 import pathlib
 import pty
 import re
 import select
+import statistics
 import struct
 import subprocess
 import sys
@@ -167,19 +169,20 @@ def test_in_a_terminal_the_default_stays_the_tqdm_bar(tmp_path) -> None:
     assert "samples/s" not in screen and "fit ended" not in screen  # no ProgressLog beside it
 
 
-def default_run(directory: pathlib.Path, **kwargs: object) -> Trainer:
-    trainer = Trainer(
-        strategy="single",
-        max_epochs=2,
-        batch_size=64,
-        default_root_dir=directory,
-        logger=False,
-        enable_checkpointing=False,
-        **kwargs,  # type: ignore[arg-type]
-    )
+def default_run(directory: pathlib.Path, samples: int = 320, **kwargs: object) -> Trainer:
+    options: dict[str, object] = {
+        "strategy": "single",
+        "max_epochs": 2,
+        "batch_size": 64,
+        "default_root_dir": directory,
+        "logger": False,
+        "enable_checkpointing": False,
+        **kwargs,
+    }
+    trainer = Trainer(**options)  # type: ignore[arg-type]
     trainer.fit(
         small_model(),
-        data(),
+        data(samples),
         data(64),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=nn.functional.cross_entropy,
@@ -241,6 +244,108 @@ def test_progress_lines_come_every_interval_s_or_every_n_steps(tmp_path) -> None
         assert all(m["rank"] is None for m in steps)  # one process: its loss is the job's
         epochs = [line for line in out.getvalue().splitlines() if line.startswith("epoch ")]
         assert [line.split(" | ")[0] for line in epochs] == ["epoch 0 end", "epoch 1 end"]
+
+
+class StepCounter(Callback):
+    """The steps at which the Trainer calls its step-end hook: a user's callback, so every step."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self.steps.append(trainer.global_step)
+
+
+class EveryStepCheckpoint(ModelCheckpoint):
+    """A subclass that overrides the step-end hook: the Trainer cannot know when it acts."""
+
+    def __init__(self, dirpath: pathlib.Path) -> None:
+        super().__init__(dirpath, every_n_steps=7, every_n_minutes=None)
+        self.steps: list[int] = []
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self.steps.append(trainer.global_step)
+        super().on_train_step_end(trainer, loss)
+
+
+def hook_calls(callback: Callback) -> list[int]:
+    """The steps at which the Trainer calls ``callback``'s own step-end hook (wrapped on the instance:
+    the Trainer still sees its class's hook, and schedules it)."""
+    calls: list[int] = []
+    own = callback.on_train_step_end
+
+    def counted(trainer: Trainer, loss: torch.Tensor) -> None:
+        calls.append(trainer.global_step)
+        own(trainer, loss)
+
+    callback.on_train_step_end = counted  # type: ignore[method-assign]
+    return calls
+
+
+def saved_steps(checkpoint: ModelCheckpoint) -> list[int]:
+    """The steps at which ``checkpoint`` saves (its ``save`` wrapped on the instance)."""
+    steps: list[int] = []
+    own = checkpoint.save
+
+    def counted(trainer: Trainer, metrics: dict[str, float] | None = None) -> None:
+        steps.append(trainer.global_step)
+        own(trainer, metrics)
+
+    checkpoint.save = counted  # type: ignore[method-assign]
+    return steps
+
+
+def fast_fit(directory: pathlib.Path, callbacks: list[Callback], samples: int = 300) -> None:
+    """Fast steps (one sample a batch, two epochs: 600 by default), a log every 50."""
+    default_run(directory, samples, batch_size=1, log_every_n_steps=50, callbacks=callbacks)
+
+
+def test_the_trainer_calls_its_own_step_end_callbacks_only_at_the_steps_they_act(tmp_path) -> None:
+    # The progress line by time and the checkpoint by steps are called at the steps they name
+    # (issue 29: nothing to do at most steps costs nothing), and still print and save as before; a
+    # user's callback, and a subclass that overrides the hook, are called at every step.
+    # An hour's interval: the clock is read every 64 steps, and at the other callbacks' steps.
+    progress = ProgressLog(interval_s=3600.0)
+    plain = ModelCheckpoint(tmp_path / "plain", every_n_steps=7, every_n_minutes=None)
+    progress_calls, plain_calls, plain_saves = hook_calls(progress), hook_calls(plain), saved_steps(plain)
+    counter = StepCounter()
+    fast_fit(tmp_path / "plain", [progress, plain, counter])
+    subclass = EveryStepCheckpoint(tmp_path / "subclass")
+    subclass_saves = saved_steps(subclass)
+    fast_fit(tmp_path / "subclass", [subclass])
+
+    every_step = list(range(1, 601))
+    assert counter.steps == subclass.steps == every_step
+    sevens = list(range(7, 601, 7))
+    # Saved at every multiple of 7 and at the two epochs' ends, by the plain callback and the subclass alike.
+    assert plain_saves == subclass_saves == sorted({*sevens, 300, 600})
+    # Called at the multiples of 7, of 50 (logging) and at the progress line's clock reads (< 20).
+    assert set(sevens) | set(range(50, 601, 50)) <= set(plain_calls), plain_calls
+    assert len(plain_calls) < 85 + 12 + 20, plain_calls
+    assert len(progress_calls) < 85 + 12 + 20, progress_calls
+
+    # 4,000 fast steps and a short interval: a line by time comes at most a twentieth of the interval
+    # late while the step rate holds (a busy machine's pauses aside: the median gap between lines).
+    interval_s = 0.05
+    out = TimedStream()
+    fast_fit(tmp_path / "timed", [ProgressLog(interval_s=interval_s, stream=out)], samples=2000)  # type: ignore[arg-type]
+    lines = [(when, line) for when, line in out.lines if line.startswith("step ")]
+    assert all(STEP_LINE.match(line) for _, line in lines), out.lines
+    gaps = [later[0] - earlier[0] for earlier, later in itertools.pairwise(lines)]
+    assert len(gaps) >= 5 and statistics.median(gaps) <= 1.25 * interval_s, gaps
+
+
+class TimedStream:
+    """A stream that keeps each line written with the time it came."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> None:
+        self.lines.extend((time.monotonic(), line) for line in text.splitlines())
+
+    def flush(self) -> None:
+        pass
 
 
 def test_a_mid_epoch_validation_gets_a_line_of_its_own(tmp_path) -> None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from distkit.trainer.loggers import Logger
     from distkit.trainer.precision import Precision
     from distkit.trainer.profiler import TorchProfiler
+    from distkit.trainer.progress import ProgressLog
     from distkit.trainer.strategies import DDPStrategy, FSDPStrategy, _Plan
     from distkit.trainer.strategies._base import Strategy
 
@@ -108,10 +109,16 @@ class Run:
     val_steps_in_epoch: frozenset[int] | None = None
     # Made after the run (a factory may read trainer.total_steps, which reads the run).
     lr_scheduler: Any = None
-    # The callbacks of this fit() (a progress display included), and those overriding
-    # on_train_step_end, called every step.
+    # The callbacks of this fit() (a progress display included); those overriding
+    # on_train_step_end, in order; of these, the Trainer's own that say at which step they next act
+    # (_next_step_end: called at the steps schedule_events picks), and the others, called every step.
     callbacks: list[Callback] = field(default_factory=list)
     step_end_callbacks: list[Callback] = field(default_factory=list)
+    scheduled_callbacks: list[ModelCheckpoint | ProgressLog] = field(default_factory=list)
+    every_step_callbacks: list[Callback] = field(default_factory=list)
+    # The first global step whose end may have work beyond the every-step callbacks (a validation,
+    # logging, max_steps, a scheduled callback): _loop.step.schedule_events. 0: the next step's.
+    next_event: float = 0
 
     # Progress (saved in checkpoints) and the latest reduced metrics.
     global_step: int = 0

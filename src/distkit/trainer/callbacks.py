@@ -370,6 +370,17 @@ class ModelCheckpoint(Callback):
             validated_now = trainer.last_validation_step == step
             self.save(trainer, self._monitored(trainer.last_validation_metrics) if validated_now else None)
 
+    def _next_step_end(self, trainer: TrainerView) -> float:
+        """The next step whose end may save (by steps, or by time at a logging step): the Trainer
+        calls :meth:`on_train_step_end` there, not at the steps between."""
+        step, due = trainer.global_step, math.inf
+        if self.every_n_steps:
+            due = (step // self.every_n_steps + 1) * self.every_n_steps
+        if self.every_n_minutes is not None:
+            every = trainer.log_every_n_steps
+            due = min(due, (step // every + 1) * every)
+        return due
+
     def _time_is_due(self, step: int) -> bool:
         """Whether ``every_n_minutes`` have passed on the main process's clock: the same answer on
         every rank, as the other ranks' clocks take no part. The Trainer hands the answer over from

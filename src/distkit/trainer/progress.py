@@ -22,9 +22,10 @@ class ProgressLog(Callback):
     """Plain progress lines for logs that are not a terminal (SLURM, CI, ``| tee``): no bar frames.
 
     Local: the main process writes, the other ranks do nothing, and no collective is added. One
-    line, flushed, every ``every_n_steps`` optimizer steps and/or whenever ``interval_s`` seconds
-    have passed since the previous line (checked after each step: one ``time.monotonic()`` and a
-    comparison); one at the end of every epoch with the epoch's metrics (``train_loss_epoch``,
+    line, flushed, every ``every_n_steps`` optimizer steps and/or once ``interval_s`` seconds
+    have passed since the previous line (the clock is read after as many steps as take about a
+    twentieth of ``interval_s``, at most 64: a line by time comes that much late at most, while
+    the step rate holds); one at the end of every epoch with the epoch's metrics (``train_loss_epoch``,
     ``val_loss``, ...), one after each mid-epoch validation, and one when ``fit`` ends::
 
         step 1200/33748 | epoch 0 | loss 3.2150 | 983.0 samples/s | elapsed 0:20:01 | ETA 9:03:10
@@ -99,6 +100,10 @@ class ProgressLog(Callback):
         self._logged_step = -1
         self._logged_loss = math.nan
         self._waiting_step = -1
+        # The latest clock read after a step, and the steps to let pass before the next one.
+        self._read_time = 0.0
+        self._read_step = 0
+        self._stride = 1
 
     def __getstate__(self) -> dict[str, Any]:
         # fit() may send its callbacks to the processes it starts: the standard streams travel by name.
@@ -123,6 +128,7 @@ class ProgressLog(Callback):
         step = trainer.global_step
         self._start_time, self._start_step = now, step
         self._rate_time, self._rate_step = now, step
+        self._read_time, self._read_step = now, step
         if self.every_n_steps is not None:
             self._next_step = (step // self.every_n_steps + 1) * self.every_n_steps
         if self.interval_s is not None:
@@ -133,10 +139,10 @@ class ProgressLog(Callback):
             self._rate_time, self._rate_step = time.monotonic(), trainer.global_step
 
     def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
-        # Every step, on every rank: keep it to a comparison (and a clock read on the main process).
-        if trainer.global_step < self._next_step and (not self._main or time.monotonic() < self._next_time):
-            return
+        # The Trainer calls it at the steps _next_step_end names; called at every step, it prints the same.
         step = trainer.global_step
+        if step < self._next_step and (not self._main or not self._time_is_due(step)):
+            return
         if self.every_n_steps is not None:
             self._next_step = (step // self.every_n_steps + 1) * self.every_n_steps
         if trainer.log_pending:
@@ -144,6 +150,26 @@ class ProgressLog(Callback):
             self._waiting_step = step
             return
         self._print_step(trainer)
+
+    def _next_step_end(self, trainer: TrainerView) -> float:
+        """The next step whose end may print: the next multiple of ``every_n_steps``, or sooner the
+        step of the next clock read (main process). The Trainer calls :meth:`on_train_step_end`
+        there, not at the steps between."""
+        if not self._main or self.interval_s is None:
+            return self._next_step
+        return min(self._next_step, trainer.global_step + self._stride)
+
+    def _time_is_due(self, step: int) -> bool:
+        """Whether ``interval_s`` has passed since the previous line; sets from the step rate since
+        the previous read how many steps pass before the next (about ``interval_s / 20``, 1 to 64)."""
+        if self.interval_s is None:
+            return False
+        now = time.monotonic()
+        if step > self._read_step and now > self._read_time:
+            per_step = (now - self._read_time) / (step - self._read_step)
+            self._stride = max(1, min(_MAX_STRIDE, int(self.interval_s / 20 / per_step)))
+        self._read_time, self._read_step = now, step
+        return now >= self._next_time
 
     def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if not self._main:
@@ -210,6 +236,11 @@ class ProgressLog(Callback):
         stream = self.stream if self.stream is not None else sys.stderr
         stream.write(line + "\n")
         stream.flush()
+
+
+# The most steps between two clock reads of a ProgressLog by time: how late a line may come when
+# the steps slow down at once (a line falls due at most this many of the slower steps late).
+_MAX_STRIDE = 64
 
 
 def _metric_parts(metrics: Mapping[str, float]) -> list[str]:

@@ -11,7 +11,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger, _failing
 from distkit.trainer.precision import Precision
 from distkit.trainer.profiler import TorchProfiler, _TorchProfilerCallback
-from distkit.trainer.progress import _default_progress, _ProgressBar
+from distkit.trainer.progress import ProgressLog, _default_progress, _ProgressBar
 from distkit.trainer.strategies._base import DataParallelStrategy, DDPStrategyRunner, Strategy
 from distkit.trainer.strategies._fsdp import FSDPStrategyRunner
 
@@ -206,9 +206,20 @@ def setup(
     run.step_end_callbacks = [
         cb for cb in run.callbacks if type(cb).on_train_step_end is not Callback.on_train_step_end
     ]
+    run.scheduled_callbacks = [cb for cb in run.step_end_callbacks if _scheduled(cb)]
+    run.every_step_callbacks = [cb for cb in run.step_end_callbacks if not _scheduled(cb)]
     for cb in run.callbacks:
         cb.on_fit_start(trainer)
     return run
+
+
+def _scheduled(cb: Callback) -> TypeGuard[ModelCheckpoint | ProgressLog]:
+    """Whether ``cb``'s step-end hook is one of the Trainer's own, which say at which step they
+    next act (``_next_step_end``); a subclass that overrides the hook is called every step."""
+    return any(
+        isinstance(cb, kind) and type(cb).on_train_step_end is kind.on_train_step_end
+        for kind in (ModelCheckpoint, ProgressLog)
+    )
 
 
 def _close_progress_bars(callbacks: list[Callback]) -> None:

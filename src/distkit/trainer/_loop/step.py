@@ -152,7 +152,8 @@ def _returned(output: Any) -> str:
 
 def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bool:
     """Take, skip or discard the optimizer step after the last micro-batch; True when training
-    stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches)."""
+    stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches);
+    ``loss`` is detached when ``run.every_step_callbacks`` get it (epoch.py), else perhaps not."""
     start = time.perf_counter()  # the optimizer phase (distkit.stragglers), to zero_grad
     precision, optimizer, strategy = run.precision, run.optimizer, run.strategy
     take_step: bool | None = True  # None: discarded for a stop request
@@ -204,8 +205,19 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
     timer = run.timer
     timer.sums[3] += time.perf_counter() - start
     timer.steps += 1
-    run.global_step += 1
+    step = run.global_step = run.global_step + 1
+    if stop or step >= run.next_event:
+        return _step_end_events(run, loss, stop)
+    # Nothing is due at this step (schedule_events): only the callbacks that act at every step,
+    # which the loop handed the detached loss.
+    for cb in run.every_step_callbacks:
+        cb.on_train_step_end(run.trainer, loss)
+    return (run.job_preempt or run.request_stop) and _stops_now(run)
 
+
+def _step_end_events(run: Run, loss: torch.Tensor, stop: bool) -> bool:
+    """The end of a step at which something may be due: a validation, the logging step, a
+    scheduled callback's work, ``max_steps``. True when training stops now."""
     if run.val_loader is not None and _validation_due(run):
         _evaluate.validate_now(run)  # before the step-end callbacks save this step
 
@@ -216,10 +228,19 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         # callback logs this step's metrics first (_Counters).
         _logs.reduce_window(run)
         run.log_pending = True
+    detached = loss.detach()
     for cb in run.step_end_callbacks:
-        cb.on_train_step_end(run.trainer, loss)
+        cb.on_train_step_end(run.trainer, detached)
     if log and run.log_pending:
         _logs.log_step(run)
+    schedule_events(run)
+    if (run.job_preempt or run.request_stop) and _stops_now(run):
+        return True
+    return stop or run.finished()
+
+
+def _stops_now(run: Run) -> bool:
+    """After a step: whether a preemption or, in a world of one, a stop request ends training now."""
     if run.job_preempt:
         _preemption.preempt(run)
         return True
@@ -232,7 +253,31 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
             run.job_preempt = True
             _preemption.preempt(run)
         return True
-    return stop or run.finished()
+    return False
+
+
+def schedule_events(run: Run) -> None:
+    """Set ``run.next_event``: the first global step after this one whose end may have work to do
+    (a validation, the logging step, ``max_steps``, a scheduled callback's next call). Steps before
+    it run only the callbacks that act at every step: one comparison a step instead of the checks
+    (issue 29). Early is harmless (the step's end finds nothing due), late would skip work."""
+    step, trainer = run.global_step, run.trainer
+    every = trainer.log_every_n_steps
+    due: float = (step // every + 1) * every
+    if trainer.max_steps is not None:
+        due = min(due, trainer.max_steps)
+    if run.val_loader is not None:
+        if run.val_every is not None:
+            due = min(due, (step // run.val_every + 1) * run.val_every)
+        elif run.val_steps_in_epoch:
+            # Counted in this epoch's optimizer steps, one more at each step's end.
+            done = -(-run.batches_done // trainer.accumulate_grad_batches)
+            later = [s - done for s in run.val_steps_in_epoch if s > done]
+            if later:
+                due = min(due, step + min(later))
+    for cb in run.scheduled_callbacks:
+        due = min(due, cb._next_step_end(trainer))
+    run.next_event = due
 
 
 def _validation_due(run: Run) -> bool:
