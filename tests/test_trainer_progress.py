@@ -166,6 +166,10 @@ def test_in_a_terminal_the_default_stays_the_tqdm_bar(tmp_path) -> None:
     print(screen[-6000:])
     assert proc.returncode == 0
     assert TQDM_FRAME.search(screen) and "epoch 2:" in screen  # a bar per epoch, as before
+    # Each bar ends full: the Trainer moves it every few steps (the steps since at once), and at
+    # the epoch's end to its last step.
+    for epoch in range(3):
+        assert re.search(rf"epoch {epoch}: 100%\|[^\r\n]*\| 10/10 \[", screen), epoch
     assert "samples/s" not in screen and "fit ended" not in screen  # no ProgressLog beside it
 
 

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from distkit.trainer.loggers import Logger
     from distkit.trainer.precision import Precision
     from distkit.trainer.profiler import TorchProfiler
-    from distkit.trainer.progress import ProgressLog
     from distkit.trainer.strategies import DDPStrategy, FSDPStrategy, _Plan
     from distkit.trainer.strategies._base import Strategy
 
@@ -57,6 +56,15 @@ class Options(TrainerView, Protocol):
     straggler_margin: float | None
     profiler: str | TorchProfiler | None
     run_config: dict[str, Any] | None
+
+
+class Scheduled(Protocol):
+    """One of the Trainer's own step-end callbacks, which say at which step they next act: the
+    Trainer calls their ``on_train_step_end`` there, not at the steps between (issue 29)."""
+
+    def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None: ...
+
+    def _next_step_end(self, trainer: TrainerView) -> float: ...
 
 
 @dataclass(eq=False)
@@ -114,7 +122,7 @@ class Run:
     # (_next_step_end: called at the steps schedule_events picks), and the others, called every step.
     callbacks: list[Callback] = field(default_factory=list)
     step_end_callbacks: list[Callback] = field(default_factory=list)
-    scheduled_callbacks: list[ModelCheckpoint | ProgressLog] = field(default_factory=list)
+    scheduled_callbacks: list[Scheduled] = field(default_factory=list)
     every_step_callbacks: list[Callback] = field(default_factory=list)
     # The first global step whose end may have work beyond the every-step callbacks (a validation,
     # logging, max_steps, a scheduled callback): _loop.step.schedule_events. 0: the next step's.

@@ -241,6 +241,9 @@ class ProgressLog(Callback):
 # The most steps between two clock reads of a ProgressLog by time: how late a line may come when
 # the steps slow down at once (a line falls due at most this many of the slower steps late).
 _MAX_STRIDE = 64
+# How often the tqdm bar moves at most: a step's end that moves it reads the clock, and the bar
+# is moved again after as many steps as took this long (tqdm redraws at most every 0.1 s).
+_BAR_REFRESH_S = 0.05
 
 
 def _metric_parts(metrics: Mapping[str, float]) -> list[str]:
@@ -261,6 +264,11 @@ class _ProgressBar(Callback):
 
     def __init__(self) -> None:
         self._bar: Any = None
+        # The global step the bar shows, when it was shown, and the steps to let pass before the
+        # next update (_next_step_end): about _BAR_REFRESH_S of steps, 1 to _MAX_STRIDE.
+        self._shown_step = 0
+        self._shown_time = 0.0
+        self._stride = 1
 
     def on_train_epoch_start(self, trainer: TrainerView) -> None:
         from tqdm.auto import tqdm
@@ -273,14 +281,33 @@ class _ProgressBar(Callback):
             file=sys.stderr,
             dynamic_ncols=True,
         )
+        self._shown_step, self._shown_time, self._stride = trainer.global_step, time.monotonic(), 1
 
     def on_train_step_end(self, trainer: TrainerView, loss: torch.Tensor) -> None:
-        self._bar.update(1)
+        # The Trainer calls it at the steps _next_step_end names; called at every step, it shows the same.
+        self._catch_up(trainer)
+
+    def _next_step_end(self, trainer: TrainerView) -> float:
+        """The next step at whose end the bar moves (the steps since its last update at once)."""
+        return math.inf if self._bar is None else trainer.global_step + self._stride
+
+    def _catch_up(self, trainer: TrainerView) -> None:
+        """Move the bar to ``trainer.global_step``."""
+        step = trainer.global_step
+        if self._bar is None or step <= self._shown_step:
+            return
+        now = time.monotonic()
+        per_step = (now - self._shown_time) / (step - self._shown_step)
+        self._stride = max(1, min(_MAX_STRIDE, int(_BAR_REFRESH_S / per_step))) if per_step > 0 else 1
+        self._bar.update(step - self._shown_step)
+        self._shown_step, self._shown_time = step, now
 
     def on_log(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
+        self._catch_up(trainer)
         self._show(metrics)
 
     def on_train_epoch_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
+        self._catch_up(trainer)
         self._show(metrics)
         self.close()
 

@@ -33,7 +33,7 @@ from distkit.trainer._loop.state import (
     _track_optimizer_steps,
 )
 from distkit.trainer._loop.step import _StepModule
-from distkit.trainer._run import Options, Run, checkpoint_callback
+from distkit.trainer._run import Options, Run, Scheduled, checkpoint_callback
 from distkit.trainer.callbacks import Callback, ModelCheckpoint, check_hooks
 from distkit.trainer.config import run_config as _run_config
 from distkit.trainer.loggers import CSVLogger, Logger, _failing
@@ -213,12 +213,12 @@ def setup(
     return run
 
 
-def _scheduled(cb: Callback) -> TypeGuard[ModelCheckpoint | ProgressLog]:
+def _scheduled(cb: Callback) -> TypeGuard[Scheduled]:
     """Whether ``cb``'s step-end hook is one of the Trainer's own, which say at which step they
     next act (``_next_step_end``); a subclass that overrides the hook is called every step."""
     return any(
         isinstance(cb, kind) and type(cb).on_train_step_end is kind.on_train_step_end
-        for kind in (ModelCheckpoint, ProgressLog)
+        for kind in (ModelCheckpoint, ProgressLog, _ProgressBar)
     )
 
 
