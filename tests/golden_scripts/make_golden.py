@@ -206,12 +206,18 @@ def fresh_loop_state() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     return model, make_optimizer(model), distkit.ResumeState()
 
 
-def make_plain(out: Path) -> dict[str, Any]:
+def plain_run() -> tuple[nn.Module, torch.optim.Optimizer, list[float], Any]:
+    """The plain case's loop up to its checkpoint: model, optimizer, losses and position."""
     distkit.seed_everything(0, workers=False)
     model = TinyMLP()
     optimizer = make_optimizer(model)
     losses = [loop_step(model, optimizer) for _ in range(PLAIN_STEPS)]
     progress = distkit.ResumeState(epoch=0, global_step=PLAIN_STEPS, batches_in_epoch=PLAIN_STEPS)
+    return model, optimizer, losses, progress
+
+
+def make_plain(out: Path) -> dict[str, Any]:
+    model, optimizer, losses, progress = plain_run()
     distkit.save_checkpoint(
         out / "checkpoint",
         loop_state(model, optimizer, progress),
