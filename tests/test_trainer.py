@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import distkit
 from _launch import job_env, torchrun
+from distkit.checkpoint import ForeignCheckpointError
 from distkit.errors import DistkitError
 from distkit.trainer import (
     Callback,
@@ -856,6 +857,31 @@ def test_a_resume_path_inside_the_runs_own_directory_continues_it_in_any_form(
     # Was: "already holds the checkpoints of another run, and this fit() starts a new one": the
     # file:// URL was compared as text with a local path, and "~" was not expanded.
     assert fit(4, resume).global_step == 4
+
+
+def test_a_resume_that_names_the_runs_checkpoint_directory_itself_is_told_to_name_one_step(tmp_path) -> None:
+    # Was: "already holds the checkpoints of another run, and this fit() starts a new one", for a
+    # fit that asked to resume: the claim took the directory itself for another run's.
+    root = str(tmp_path / "run")
+
+    def fit(max_steps: int, resume: str | None) -> Trainer:
+        model = SimpleModel()
+        trainer = quiet_trainer(
+            root, strategy="single", max_steps=max_steps, enable_checkpointing=True, resume=resume
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+        return trainer
+
+    fit(2, None)
+    directory = tmp_path / "run" / "checkpoints"
+    for resume in (str(directory), f"{directory}/", f"file://{directory}"):
+        with pytest.raises(
+            ForeignCheckpointError, match=r"is not one checkpoint: it is a CheckpointManager"
+        ) as err:
+            fit(4, resume)
+        assert "step_000000002" in str(err.value) and "resume='auto'" in str(err.value)
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step_")) == ["step_000000002"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from distkit.trainer._loop import model_io as _model_io, report as _report, stat
 from distkit.trainer._loop.batches import length
 from distkit.trainer._loop.state import (
     _is_inside,
+    _is_same,
     _rebind,
     _track_optimizer_steps,
 )
@@ -532,10 +533,14 @@ def claim(trainer: Options, checkpoint: ModelCheckpoint) -> None:
     """
     if trainer.resume == "auto":
         return
+    # The directory itself is no checkpoint, but names this run: restore's load says so and names
+    # its steps (ForeignCheckpointError), where a claim would call it a fresh run's conflict.
     resuming = (
         trainer.resume is not None
         and checkpoint.directory is not None
-        and _is_inside(trainer.resume, checkpoint.directory)
+        and (
+            _is_inside(trainer.resume, checkpoint.directory) or _is_same(trainer.resume, checkpoint.directory)
+        )
     )
     try:
         checkpoint.manager.claim(resuming=resuming)

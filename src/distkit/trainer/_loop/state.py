@@ -238,6 +238,14 @@ def _is_inside(path: str, directory: str | os.PathLike[str]) -> bool:
     return real_path != real_dir and os.path.commonpath([real_path, real_dir]) == real_dir
 
 
+def _is_same(path: str, directory: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names ``directory`` itself (in the forms :func:`_is_inside` accepts)."""
+    path, directory = _local(os.fspath(path)), _local(os.fspath(directory))
+    if "://" in path or "://" in directory:
+        return path.rstrip("/") == directory.rstrip("/")
+    return os.path.realpath(path) == os.path.realpath(directory)
+
+
 def _local(path: str) -> str:
     """``path`` as a local path when it names one (``file:///x``, ``~/x``), else as it is."""
     if path.startswith("file://"):
