@@ -834,6 +834,17 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path) -> None:
     assert trainer.global_step == 2
 
 
+def checkpointed_fit(root: str, max_steps: int, resume: str | None) -> Trainer:
+    """A fit of the simple model in ``root`` with checkpoints, resumed from ``resume``."""
+    model = SimpleModel()
+    trainer = quiet_trainer(
+        root, strategy="single", max_steps=max_steps, enable_checkpointing=True, resume=resume
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+    return trainer
+
+
 @pytest.mark.parametrize("form", ["file_url", "home"])
 def test_a_resume_path_inside_the_runs_own_directory_continues_it_in_any_form(
     tmp_path, monkeypatch, form
@@ -841,22 +852,13 @@ def test_a_resume_path_inside_the_runs_own_directory_continues_it_in_any_form(
     monkeypatch.setenv("HOME", str(tmp_path))  # "~" is tmp_path
     root = "~/run" if form == "home" else str(tmp_path / "run")
 
-    def fit(max_steps: int, resume: str | None) -> Trainer:
-        model = SimpleModel()
-        trainer = quiet_trainer(
-            root, strategy="single", max_steps=max_steps, enable_checkpointing=True, resume=resume
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
-        return trainer
-
-    fit(2, None)
+    checkpointed_fit(root, 2, None)
     step = tmp_path / "run" / "checkpoints" / "step_000000002"
     assert step.is_dir()
     resume = f"file://{step}" if form == "file_url" else "~/run/checkpoints/step_000000002"
     # Was: "already holds the checkpoints of another run, and this fit() starts a new one": the
     # file:// URL was compared as text with a local path, and "~" was not expanded.
-    assert fit(4, resume).global_step == 4
+    assert checkpointed_fit(root, 4, resume).global_step == 4
 
 
 def test_a_resume_that_names_the_runs_checkpoint_directory_itself_is_told_to_name_one_step(tmp_path) -> None:
@@ -864,22 +866,13 @@ def test_a_resume_that_names_the_runs_checkpoint_directory_itself_is_told_to_nam
     # fit that asked to resume: the claim took the directory itself for another run's.
     root = str(tmp_path / "run")
 
-    def fit(max_steps: int, resume: str | None) -> Trainer:
-        model = SimpleModel()
-        trainer = quiet_trainer(
-            root, strategy="single", max_steps=max_steps, enable_checkpointing=True, resume=resume
-        )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
-        return trainer
-
-    fit(2, None)
+    checkpointed_fit(root, 2, None)
     directory = tmp_path / "run" / "checkpoints"
     for resume in (str(directory), f"{directory}/", f"file://{directory}"):
         with pytest.raises(
             ForeignCheckpointError, match=r"is not one checkpoint: it is a CheckpointManager"
         ) as err:
-            fit(4, resume)
+            checkpointed_fit(root, 4, resume)
         assert "step_000000002" in str(err.value) and "resume='auto'" in str(err.value)
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith("step_")) == ["step_000000002"]
 
