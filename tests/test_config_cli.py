@@ -866,6 +866,22 @@ def test_variables_a_shell_would_expand_are_refused_and_the_scripts_own_defaults
     assert exit_info.value.code == 2 and "${epoch} was not expanded" in capsys.readouterr().err
 
 
+def test_an_empty_max_epochs_stops_with_exit_2_naming_the_file_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: fit's ValueError "give the Trainer max_epochs or max_steps" as a traceback, exit 1.
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  max_epochs:\n")
+    err = cli_error(run_args(tmp_path / "run", "--config", str(config)), capsys)
+    assert f"trainer.max_epochs is empty (null) in {config} and trainer.max_steps is not set" in err, err
+    assert "(--trainer.max_epochs N or --trainer.max_steps N)" in err, err
+    err = cli_error(run_args(tmp_path / "run", "--trainer.max_epochs", "null"), capsys)
+    assert "trainer.max_epochs and trainer.max_steps are both null" in err, err
+    assert not (tmp_path / "run").exists()
+    # Either one set is enough.
+    make_cli(run_args(tmp_path / "run", "--config", str(config), "--trainer.max_steps", "2"), run=True)
+
+
 def test_resume_null_on_the_command_line_means_no_resume(tmp_path: Path) -> None:
     config = write_yaml(tmp_path / "run.yaml", {"trainer": {"resume": "auto"}})
     # Was: "no checkpoint at None": jsonargparse reads null as the text 'None' for a path type.

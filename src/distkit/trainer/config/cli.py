@@ -399,6 +399,9 @@ class TrainerCLI:
         missing = _missing_resume(self.trainer.resume, argv)
         if missing is not None:
             self._fail(missing, _launch_env(), argv)
+        if self.trainer.max_epochs is None and self.trainer.max_steps is None:
+            # An empty `max_epochs:` in a file reads as null; fit would say so as a traceback.
+            self._fail(_no_length(argv), _launch_env(), argv)
         # The Trainer carries it to fit's set-up (and to the processes fit starts): saved as
         # config.yaml, logged as hparams, compared on resume and across ranks.
         self.trainer.run_config = self.run_config
@@ -447,6 +450,32 @@ def _text_options(parser: ArgumentParser) -> set[str]:
         if hint is str or hint == (str | None):
             found.add(action.dest)
     return found
+
+
+def _no_length(argv: list[str]) -> str:
+    """Why fit cannot start when trainer.max_epochs and trainer.max_steps are both null, and where
+    to set one: the config file that empties max_epochs (``max_epochs:``), if one does."""
+    import yaml
+
+    emptied = None
+    for path in _config_errors.config_paths(argv):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                trainer = (yaml.safe_load(handle) or {}).get("trainer")
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(trainer, dict) and "max_epochs" in trainer:
+            emptied = path if trainer["max_epochs"] is None else None
+    fix = "--trainer.max_epochs N or --trainer.max_steps N"
+    if emptied is not None:
+        return (
+            f"trainer.max_epochs is empty (null) in {emptied} and trainer.max_steps is not set: fit "
+            f"needs one of them to know when to stop. Give a number there, or on the command line ({fix})."
+        )
+    return (
+        f"trainer.max_epochs and trainer.max_steps are both null: fit needs one of them to know when "
+        f"to stop. Set one on the command line ({fix}) or in a --config file."
+    )
 
 
 def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
