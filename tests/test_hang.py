@@ -4,6 +4,7 @@ at once; the known bounded waits (a taken MASTER_PORT, a rank that left, an inva
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import re
@@ -769,3 +770,51 @@ def test_a_mismatch_verdict_points_at_the_if_that_tests_the_rank() -> None:
         == " (here: move it out of `if step % 2 == 1:`)"
     )
     assert _where_to_move({"context": ""}, {0: {"context": ""}}) == ""
+
+
+# --------------------------------------------------------------------------------------------------
+# The join's second connection to the store
+
+
+def _store_server(port: int) -> subprocess.Popen[bytes]:
+    """A process hosting a TCPStore on ``port`` until killed, as rank 0 or a launcher does."""
+    code = (
+        "import datetime, time, torch.distributed as d\n"
+        f"s = d.TCPStore('127.0.0.1', {port}, 2, True, timeout=datetime.timedelta(seconds=60),\n"
+        "                wait_for_workers=False)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+    return server
+
+
+def test_a_second_store_connection_slower_than_the_limit_is_waited_for_while_the_store_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Was: "the job's key-value store stopped answering while this rank joined" after 10 s, on a
+    # machine whose name server dropped some of the reverse lookups torch's client makes as it
+    # connects (5 s each, twice): the store answered all along. The limit set to 0 s here stands
+    # for such a lookup: the connection is still opening when it has passed.
+    from distkit._doctor import doctor
+
+    monkeypatch.setattr(doctor, "_CLONE_S", 0.0)
+    port = _free_port()
+    server = _store_server(port)
+    try:
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+        client.set("k", "1")
+        with pytest.raises(TimeoutError, match="no second connection to the job's store within"):
+            doctor._clone(client)  # no question asked: the limit alone decides
+        assert doctor._clone(client, lambda: doctor._answers(client, "k")).check(["k"])
+        # A store whose host died fails the question at once: no wait for the longer limit.
+        server.kill()
+        server.wait()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            doctor._clone(client, lambda: doctor._answers(client, "k"))
+        assert time.monotonic() - started < 5.0
+    finally:
+        server.kill()
+        server.wait()

@@ -196,11 +196,20 @@ def is_transport_failure(exc: BaseException) -> bool:
 # milliseconds; torch retries one to a store whose host has died for the store's whole timeout
 # (ten minutes by default: measured, torch 2.13), which would hold init() or a failure's report.
 _CLONE_S = 10.0
+# How long past _CLONE_S the caller that can ask the store whether it still answers (over the
+# connection it has) waits while it does. torch's client looks up the host name of its own
+# socket's address as it connects (a reverse DNS query for [::ffff:127.0.0.1], which /etc/hosts
+# does not answer), and a name server that drops the query holds it 5 s an attempt (glibc's
+# default, twice): 3 % of the connections on one machine took 5.02 s, so two in a row ended a
+# join past 10 s with "the store stopped answering" while it answered (2026-11-27).
+_CLONE_LIVE_S = 60.0
 
 
-def _clone(store: Any) -> Any:
-    """``store.clone()``, or :class:`TimeoutError` after ``_CLONE_S`` (the attempt goes on, unused,
-    in a daemon thread: torch's client cannot be interrupted)."""
+def _clone(store: Any, answers: Callable[[], bool] | None = None) -> Any:
+    """``store.clone()``, or :class:`TimeoutError` after ``_CLONE_S``, or, with ``answers`` (whether
+    the store still answers the connection the caller has), for as long as it does, up to
+    ``_CLONE_LIVE_S`` more. The attempt goes on, unused, in a daemon thread: torch's client cannot
+    be interrupted."""
     box: dict[str, Any] = {}
 
     def connect() -> None:
@@ -211,16 +220,34 @@ def _clone(store: Any) -> Any:
 
     # A thread the process's exit waits for: one that returns from clone() during the interpreter's
     # finalization aborts the process (distkit._utils.daemon).
-    thread = daemon.start(connect, "distkit-store-clone", _CLONE_S)
+    longest = _CLONE_S + (_CLONE_LIVE_S if answers is not None else 0.0)
+    thread = daemon.start(connect, "distkit-store-clone", longest)
+    started = time.monotonic()
     try:
         thread.join(_CLONE_S)
+        # A live store answers at once; one whose host died fails the question at once too.
+        while (
+            thread.is_alive() and answers is not None and time.monotonic() - started < longest and answers()
+        ):
+            thread.join(1.0)
     finally:
         daemon.abandon(thread)  # one still retrying a store that does not answer is left behind
     if "error" in box:
         raise box["error"]
     if "store" not in box:
-        raise TimeoutError(f"no second connection to the job's store within {_CLONE_S:g} s")
+        raise TimeoutError(
+            f"no second connection to the job's store within {time.monotonic() - started:.0f} s"
+        )
     return box["store"]
+
+
+def _answers(store: Any, key: str) -> bool:
+    """Whether ``store`` answers a question over its connection (one whose host died fails at once)."""
+    try:
+        store.check([key])
+    except RuntimeError:  # torch's DistNetworkError (the connection closed), or a store's own error
+        return False
+    return True
 
 
 def _waited(exc: BaseException) -> bool:
@@ -520,16 +547,18 @@ class Doctor:
 
     def start(self) -> None:
         """Register this process and start the responder. Local (a few store operations)."""
-        self.store.set(_key("proc", self.rank), json.dumps({"host": self.host, "pid": self.pid}))
+        mine = _key("proc", self.rank)
+        self.store.set(mine, json.dumps({"host": self.host, "pid": self.pid}))
         try:
-            self._responder_store = _clone(self.store)
+            # No other thread uses this connection yet: it may ask whether the store still answers.
+            self._responder_store = _clone(self.store, lambda: _answers(self.store, mine))
         except (AttributeError, RuntimeError, NotImplementedError):
             return  # a store without a second connection: distkit's waits stay plain waits
         except TimeoutError as err:
             raise DistkitError(
                 f"{self.label} the job's key-value store stopped answering while this rank joined "
-                f"(a second connection to it got no answer within {_CLONE_S:g} s): the process that "
-                f"hosts it (rank 0, or the launcher) most likely ended. Look for its error above."
+                f"({err}): the process that hosts it (rank 0, or the launcher) most likely ended. "
+                f"Look for its error above."
             ) from err
         self._first_ask = int(self.store.add(_key("asks"), 0)) + 1
         self._responder = threading.Thread(target=self._respond, name="distkit-hang-responder", daemon=True)
