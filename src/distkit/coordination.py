@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from distkit import collectives, runtime
+from distkit._utils import daemon
 from distkit._utils.slips import names_slips
 from distkit.errors import CollectiveMismatchError, CollectiveTimeoutError, DistkitError, MainProcessError
 
@@ -98,18 +99,38 @@ _side: tuple[Any, Any] | None = None
 _THREAD_STOP_S = 2.0
 
 
+# How long a background thread waits for the side connection to open, and the process's exit for
+# it (distkit._utils.daemon): a connection that returns into Python while the interpreter
+# finalizes aborts the process. One to a live store can take 5 to 10 s where the name server drops
+# the reverse lookup torch's client makes (distkit._doctor.doctor._CLONE_LIVE_S): a main process
+# that raised inside its section then exited while its heartbeat thread was still connecting, and
+# ended in SIGABRT instead of its exit code (test_failure_exit, 1 run in 6 on such a machine).
+_SIDE_CONNECT_S = 30.0
+
+
 def _side_store(store: Any) -> Any | None:
-    """A second connection to ``store``; call it from background threads only (it may block)."""
+    """A second connection to ``store``; call it from background threads only (it may block, up to
+    ``_SIDE_CONNECT_S``). ``None`` when the store opens none (in time)."""
     global _side
     with _side_lock:
         if _side is not None and _side[0] is store:
             return _side[1]
+        box: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                box["clone"] = store.clone()
+            except (AttributeError, RuntimeError, NotImplementedError):
+                # A store that cannot open a second connection: heartbeats then share the main one
+                # and waiters rely on timeout_s alone.
+                box["clone"] = None
+
+        thread = daemon.start(connect, "distkit-side-store", _SIDE_CONNECT_S)
         try:
-            clone = store.clone()
-        except (AttributeError, RuntimeError, NotImplementedError):
-            # A store that cannot open a second connection: heartbeats then share the main one and
-            # waiters rely on timeout_s alone.
-            clone = None
+            thread.join(_SIDE_CONNECT_S)
+        finally:
+            daemon.abandon(thread)  # one still retrying a store whose host died is left behind
+        clone = box.get("clone")
         _side = (store, clone)
         return clone
 
