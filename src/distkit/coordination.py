@@ -115,22 +115,12 @@ def _side_store(store: Any) -> Any | None:
     with _side_lock:
         if _side is not None and _side[0] is store:
             return _side[1]
-        box: dict[str, Any] = {}
-
-        def connect() -> None:
-            try:
-                box["clone"] = store.clone()
-            except (AttributeError, RuntimeError, NotImplementedError):
-                # A store that cannot open a second connection: heartbeats then share the main one
-                # and waiters rely on timeout_s alone.
-                box["clone"] = None
-
-        thread = daemon.start(connect, "distkit-side-store", _SIDE_CONNECT_S)
         try:
-            thread.join(_SIDE_CONNECT_S)
-        finally:
-            daemon.abandon(thread)  # one still retrying a store whose host died is left behind
-        clone = box.get("clone")
+            clone = daemon.clone(store, _SIDE_CONNECT_S)
+        except (AttributeError, RuntimeError, NotImplementedError, TimeoutError):
+            # A store that cannot open a second connection (in time): heartbeats then share the
+            # main one and waiters rely on timeout_s alone.
+            clone = None
         _side = (store, clone)
         return clone
 

@@ -206,39 +206,9 @@ _CLONE_LIVE_S = 60.0
 
 
 def _clone(store: Any, answers: Callable[[], bool] | None = None) -> Any:
-    """``store.clone()``, or :class:`TimeoutError` after ``_CLONE_S``, or, with ``answers`` (whether
-    the store still answers the connection the caller has), for as long as it does, up to
-    ``_CLONE_LIVE_S`` more. The attempt goes on, unused, in a daemon thread: torch's client cannot
-    be interrupted."""
-    box: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            box["store"] = store.clone()
-        except BaseException as err:  # handed to the caller
-            box["error"] = err
-
-    # A thread the process's exit waits for: one that returns from clone() during the interpreter's
-    # finalization aborts the process (distkit._utils.daemon).
-    longest = _CLONE_S + (_CLONE_LIVE_S if answers is not None else 0.0)
-    thread = daemon.start(connect, "distkit-store-clone", longest)
-    started = time.monotonic()
-    try:
-        thread.join(_CLONE_S)
-        # A live store answers at once; one whose host died fails the question at once too.
-        while (
-            thread.is_alive() and answers is not None and time.monotonic() - started < longest and answers()
-        ):
-            thread.join(1.0)
-    finally:
-        daemon.abandon(thread)  # one still retrying a store that does not answer is left behind
-    if "error" in box:
-        raise box["error"]
-    if "store" not in box:
-        raise TimeoutError(
-            f"no second connection to the job's store within {time.monotonic() - started:.0f} s"
-        )
-    return box["store"]
+    """``store.clone()`` within ``_CLONE_S``, or while ``answers`` says the store answers, up to
+    ``_CLONE_LIVE_S`` more (:func:`distkit._utils.daemon.clone`)."""
+    return daemon.clone(store, _CLONE_S, answers, _CLONE_LIVE_S)
 
 
 def _answers(store: Any, key: str) -> bool:

@@ -27,8 +27,9 @@ import atexit
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["abandon", "start"]
+__all__ = ["abandon", "clone", "start"]
 
 _running: dict[threading.Thread, float] = {}  # thread -> its caller's deadline (time.monotonic)
 _lock = threading.Lock()
@@ -78,3 +79,45 @@ def _wait_at_exit() -> None:
         waited = list(_running.items())
     for thread, deadline in waited:
         thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def clone(
+    store: Any, deadline_s: float, answers: Callable[[], bool] | None = None, longer_s: float = 0.0
+) -> Any:
+    """``store.clone()`` (a second connection to the job's store) on a thread of :func:`start`:
+    the new connection, the error it raised, or :class:`TimeoutError` after ``deadline_s``; with
+    ``answers`` (whether the store still answers a connection the caller has), for as long as it
+    does, up to ``longer_s`` more. A thread still connecting then is left behind (:func:`abandon`).
+
+    Example:
+        >>> import datetime, torch.distributed as dist
+        >>> store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+        >>> second = clone(store, deadline_s=5.0)
+    """
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = store.clone()
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    longest = deadline_s + (longer_s if answers is not None else 0.0)
+    thread = start(connect, "distkit-store-clone", longest)
+    started = time.monotonic()
+    try:
+        thread.join(deadline_s)
+        # A live store answers at once; one whose host died fails the question at once too.
+        while (
+            thread.is_alive() and answers is not None and time.monotonic() - started < longest and answers()
+        ):
+            thread.join(1.0)
+    finally:
+        abandon(thread)  # one still retrying a store that does not answer is left behind
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise TimeoutError(
+            f"no second connection to the job's store within {time.monotonic() - started:.0f} s"
+        )
+    return box["store"]
