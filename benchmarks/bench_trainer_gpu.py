@@ -198,7 +198,7 @@ def _trainer_block(
         precision="bf16-mixed" if precision == "bf16" else "32",
         max_steps=len(loader),
         batch_size=loader.batch_size or 1,
-        default_root_dir=root,
+        default_root_dir=tempfile.mkdtemp(dir=root),  # a run of its own each block (its metrics.csv)
         enable_checkpointing=False,
         enable_progress_bar=False,
         callbacks=[clock],

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The checks that need a machine with a CUDA GPU, in one run of at most about 9.5 minutes:
+# The checks that need a machine with a CUDA GPU, in one run of at most about 9.5 minutes (the
+# steps' limits and their kill delays; on an H200 machine, 2026-11-27, the steps took 47, 178, 109
+# and 51 s, before bench_trainer_gpu also ran the one-process tables):
 #
 #     bash scripts/gpu_checks.sh OUTDIR
 #
 # 1. tests/test_cuda.py (NCCL, AMP, FSDP2 on the GPU, sharded checkpoints);
 # 2. benchmarks/bench_trainer_guard.py, issue 29's three ratios on CPU ranks (gloo), which need
 #    idle cores that the two ranks do not share: a GPU machine's many cores, with CUDA hidden;
-# 3. benchmarks/bench_trainer_gpu.py --quick, DDP and FSDP in fp32 and bf16;
+# 3. benchmarks/bench_trainer_gpu.py --quick, one process, DDP and FSDP in fp32 and bf16;
 # 4. benchmarks/bench_fsdp_memory.py (gloo, CUDA hidden).
 #
 # It runs from the repository with the machine's own python and torch (PYTHON, default python3),
@@ -46,10 +48,10 @@ step() {  # step NAME LIMIT_S COMMAND...
   [ "$code" -eq 0 ] || failed=1
 }
 
-step test_cuda 150 "$py" -m pytest -q -p no:cacheprovider "${plugin[@]}" tests/test_cuda.py
-step guard 200 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_trainer_guard.py --rounds 7
-step bench_trainer_gpu 150 "$py" benchmarks/bench_trainer_gpu.py --quick --strategy ddp fsdp
-step bench_fsdp_memory 60 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_fsdp_memory.py --blocks 3
+step test_cuda 90 "$py" -m pytest -q -p no:cacheprovider "${plugin[@]}" tests/test_cuda.py
+step guard 210 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_trainer_guard.py --rounds 7
+step bench_trainer_gpu 170 "$py" benchmarks/bench_trainer_gpu.py --quick --strategy single ddp fsdp
+step bench_fsdp_memory 80 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_fsdp_memory.py --blocks 3
 
 echo "== summary (outputs in $out)"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
