@@ -619,20 +619,36 @@ class Doctor:
             if timeout is not None and self.available and not self._stopping:
                 # The watchdog's connection to the store, made here and not on its thread, so that
                 # a rank ending early does not exit while the watchdog is still connecting
-                # (distkit._utils.daemon). Without one the watchdog stays idle (_watch).
-                with contextlib.suppress(Exception):
-                    self._side_store()
+                # (distkit._utils.daemon). The thread that configures waits in no store operation,
+                # so it may ask over the rank's own connection whether the store still answers
+                # while a slow connection opens (start).
+                mine = _key("proc", self.rank)
+                try:
+                    side = self._side_store(lambda: _answers(self.store, mine))
+                except Exception as err:
+                    _print(
+                        f"{self.label} distkit: the hang doctor could not open its connection to the "
+                        f"job's store ({_first_line(err)}), so this rank runs without hang detection "
+                        f"(hang_timeout_s={timeout!r}). A store that stopped answering usually means "
+                        f"that the process hosting it (rank 0, or the launcher) ended: look for its "
+                        f"error."
+                    )
+                    return
                 self._watch_stop = threading.Event()
                 self._watchdog = threading.Thread(
-                    target=self._watch, args=(self._watch_stop,), name="distkit-hang-watchdog", daemon=True
+                    target=self._watch,
+                    args=(self._watch_stop, side),
+                    name="distkit-hang-watchdog",
+                    daemon=True,
                 )
                 self._watchdog.start()
 
-    def _side_store(self) -> Any:
-        """A connection for the background threads' short operations (made once)."""
+    def _side_store(self, answers: Callable[[], bool] | None = None) -> Any:
+        """A connection for the background threads' short operations (made once). ``answers``: see
+        :func:`_clone`; only a thread that waits in no operation on ``self.store`` may ask it."""
         with self._side_lock:
             if self._side is None:
-                self._side = _clone(self.store)
+                self._side = _clone(self.store, answers)
             return self._side
 
     # -- where this rank is -----------------------------------------------------------------------
@@ -941,11 +957,7 @@ class Doctor:
         )
         return kind, state  # the frames are dropped: nothing keeps the thread's locals alive
 
-    def _watch(self, stop: threading.Event) -> None:
-        try:
-            side = self._side_store()
-        except Exception:
-            return  # no second connection to the store: nobody could be asked
+    def _watch(self, stop: threading.Event, side: Any) -> None:
         fixed = self.timeout if isinstance(self.timeout, float) else None
         # A few samples per timeout, at most one every 2 s: the watchdog's whole cost is reading
         # one stack and a few counters that often.
