@@ -861,6 +861,31 @@ def test_a_resume_path_inside_the_runs_own_directory_continues_it_in_any_form(
     assert checkpointed_fit(root, 4, resume).global_step == 4
 
 
+def resume_from_each_nodes_own_disk(root: str) -> str:
+    # Two nodes, each with a local disk at the same path: only rank 0's holds the checkpoint.
+    resume = f"{root}/node{distkit.get_rank()}/checkpoints/step_000000003"
+    try:
+        resumable_run(f"{root}/run", 8, resume)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_an_explicit_resume_path_that_one_rank_cannot_read_ends_every_rank_before_training(
+    ranks, tmp_path
+) -> None:
+    # Was: rank 1 raised FileNotFoundError while rank 0 went on to train, until its first
+    # collective waited for a rank that had left (the hang doctor's report, or a torch timeout).
+    ranks.run(resumable_run, str(tmp_path / "node0"), 3, None)
+    message0, message1 = ranks.run(resume_from_each_nodes_own_disk, str(tmp_path), timeout_s=60)
+    assert message1.startswith("FileNotFoundError: "), message1
+    assert message0.startswith("DistkitError: [rank 0/2] resume="), message0
+    assert "could not be read on rank(s) [1]: rank 1: FileNotFoundError: " in message0, message0
+    assert "filesystem every node mounts" in message0, message0
+    saved = tmp_path / "run" / "checkpoints"  # no step trained, none saved
+    assert not saved.exists() or not any(saved.iterdir())
+
+
 def test_a_resume_that_names_the_runs_checkpoint_directory_itself_is_told_to_name_one_step(tmp_path) -> None:
     # Was: "already holds the checkpoints of another run, and this fit() starts a new one", for a
     # fit that asked to resume: the claim took the directory itself for another run's.

@@ -591,7 +591,7 @@ def restore(run: Run) -> int | None:
     checkpoint = run.checkpoint
     try:
         if resume != "auto":
-            load_checkpoint(resume, state)
+            _load_on_every_rank(resume, state)
         elif checkpoint is None:
             raise ValueError(
                 "resume='auto' restores from the ModelCheckpoint's directory, but checkpointing is "
@@ -630,6 +630,39 @@ def restore(run: Run) -> int | None:
         left = -(-max(0, run.num_batches - run.batches_done) // run.trainer.accumulate_grad_batches)
         run.steps_offset = run.global_step - (run.current_epoch * per_epoch + per_epoch - left)
     return run.global_step
+
+
+def _load_on_every_rank(path: str, state: Mapping[str, Any]) -> None:
+    """``load_checkpoint(path, state)`` on every rank, then one gather of the outcomes (collective
+    in a world of several): a rank that cannot read ``path`` (a node-local disk) ends every rank
+    here, named, instead of leaving the others to train until their first collective waits for it.
+    The failing rank raises its own error, the others a DistkitError naming it."""
+    failure: Exception | None = None
+    try:
+        load_checkpoint(path, state)
+    except Exception as err:
+        failure = err
+    outcomes = all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    failed = {rank: error for rank, error in enumerate(outcomes) if error is not None}
+    if not failed:
+        return
+    missing = [rank for rank, error in failed.items() if error.startswith("FileNotFoundError")]
+    readers = [rank for rank, error in enumerate(outcomes) if error is None]
+    why = (
+        f" Rank(s) {missing} find nothing at that path where rank(s) {readers} read the checkpoint: "
+        f"their hosts see a directory of their own there (a node-local disk). Put checkpoints on a "
+        f"filesystem every node mounts (NFS, Lustre, GPFS...) or in an object store (an fsspec URL), "
+        f"or copy the checkpoint to the same path on every node."
+        if missing
+        else " Every rank reads the checkpoint itself: fix the cause on those ranks."
+    )
+    errors = "; ".join(f"rank {rank}: {error}" for rank, error in failed.items()).rstrip(".")
+    raise DistkitError(
+        f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] resume={redact_url(str(path))!r} could "
+        f"not be read on rank(s) {sorted(failed)}: {errors}.{why}"
+    )
 
 
 # What torch says when a checkpoint's module does not fit the model: load_state_dict (a full
