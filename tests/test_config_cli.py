@@ -487,12 +487,18 @@ def test_a_config_file_that_is_missing_or_not_yaml_is_named(
 ) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: [\n")
-    for path, expected in ((tmp_path / "nope.yaml", "No such file"), (broken, "not valid YAML")):
+    # An empty file or one of comments only was jsonargparse's "Unexpected config: # ...".
+    empty, comments = tmp_path / "empty.yaml", tmp_path / "comments.yaml"
+    empty.write_text("")
+    comments.write_text("# trainer:\n#   max_epochs: 3\n")
+    cases = [(tmp_path / "nope.yaml", "No such file"), (broken, "not valid YAML")]
+    cases += [(path, "holds no settings (it is empty, or only comments)") for path in (empty, comments)]
+    for path, expected in cases:
         with pytest.raises(SystemExit) as exit_info:
             make_cli(["--model.hidden", "4", "--config", str(path)])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert str(path) in err and expected in err, err
+        assert str(path) in err and expected in err and "Unexpected config" not in err, err
 
 
 def test_a_duplicate_key_in_any_config_file_is_refused_naming_the_file_the_key_and_both_lines(

@@ -380,7 +380,8 @@ def config_files(argv: list[str]) -> list[str]:
 
 
 def _broken_config_file(argv: list[str]) -> str | None:
-    """What is wrong with the first ``--config`` file that is missing or not valid YAML, if any."""
+    """What is wrong with the first ``--config`` file that is missing, not valid YAML or without a
+    setting (empty, or comments only), if any."""
     import yaml
 
     for path in config_paths(argv):
@@ -388,12 +389,18 @@ def _broken_config_file(argv: list[str]) -> str | None:
             continue  # jsonargparse also takes the config itself as the value
         try:
             with open(path, encoding="utf-8") as handle:
-                yaml.safe_load(handle)
+                loaded = yaml.safe_load(handle)
         except OSError as err:
             return f"cannot read the config file {path}: {err.strerror or err}. Give the path of a YAML file."
         except yaml.YAMLError as err:
             detail = " ".join(str(err).split())
             return f"the config file {path} is not valid YAML: {detail}. Fix it at that line."
+        if loaded is None:
+            return (
+                f"the config file {path} holds no settings (it is empty, or only comments). Write the "
+                f"options in it (--print_config prints every option with its value), or leave out "
+                f"--config {path}."
+            )
     return None
 
 
