@@ -792,6 +792,21 @@ def all_gather_object(obj: T, *, group: Any = None) -> list[T]:
     return _gather_objects(obj, peers, "all_gather_object")
 
 
+def _outcomes(failure: Exception | None, value: T) -> tuple[list[T], dict[int, str]]:
+    """Every rank's ``value`` and the ranks whose work failed, by rank, as ``"Type: message"``.
+
+    Collective: every rank calls it after the same work, whether that work failed (``failure``) or
+    not, so that a failure on one rank cannot leave the others waiting in a later collective. A
+    rank whose own work failed raises its ``failure`` after the gather; the others get the failed
+    ranks to name in their own error.
+    """
+    error = None if failure is None else f"{type(failure).__name__}: {failure}"
+    gathered = all_gather_object((value, error))
+    if failure is not None:
+        raise failure
+    return [v for v, _ in gathered], {rank: e for rank, (_, e) in enumerate(gathered) if e is not None}
+
+
 def broadcast_object(obj: T, src: int = 0, *, group: Any = None) -> T:
     """Send a picklable object from rank ``src`` to every rank and return it.
 

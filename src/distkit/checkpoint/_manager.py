@@ -45,7 +45,7 @@ from distkit.checkpoint._lock import _LocalWriterLock, _writer_lock_for
 from distkit.checkpoint._retention import _mislabeled, _shown_steps, _skipping_mislabeled, _StepDirectory
 from distkit.checkpoint._sharded import _check_sharded_option, _use_sharded
 from distkit.checkpoint._state import _check_state, _collect
-from distkit.collectives import all_gather_object
+from distkit.collectives import _outcomes
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
 
@@ -546,20 +546,12 @@ class CheckpointManager:
             restored = self._restore_newest(state, strict)
         except Exception as err:
             failure = err
-        # Every rank reaches this gather, failed or not, so a failure on one rank cannot leave the
-        # others waiting in a later collective.
-        outcomes = all_gather_object(
-            (restored, None if failure is None else f"{type(failure).__name__}: {failure}")
-        )
-        if failure is not None:
-            raise failure
-        failed = {rank: error for rank, (_, error) in enumerate(outcomes) if error is not None}
+        chosen, failed = _outcomes(failure, restored)
         if failed:
             raise DistkitError(
                 f"{_label()} restoring from {redact_url(self.directory)} failed on rank(s) {sorted(failed)}: "
                 + "; ".join(f"rank {rank}: {error}" for rank, error in failed.items())
             )
-        chosen = [step for step, _ in outcomes]
         if len(set(chosen)) > 1:
             none = [rank for rank, step in enumerate(chosen) if step is None]
             why = (

@@ -19,7 +19,7 @@ from torch import nn
 from distkit import runtime
 from distkit._utils.secrets import redact_text, redact_url
 from distkit.checkpoint import CheckpointConflictError, load_checkpoint
-from distkit.collectives import all_gather_object
+from distkit.collectives import _outcomes, all_gather_object
 from distkit.data import DistributedLoader, StreamLoader, distributed_dataloader
 from distkit.errors import DistkitError
 from distkit.seeding import _MAX_SEED, _check_seed, seed_everything
@@ -642,14 +642,11 @@ def _load_on_every_rank(path: str, state: Mapping[str, Any]) -> None:
         load_checkpoint(path, state)
     except Exception as err:
         failure = err
-    outcomes = all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    failed = {rank: error for rank, error in enumerate(outcomes) if error is not None}
+    ranks, failed = _outcomes(failure, runtime.get_rank())
     if not failed:
         return
     missing = [rank for rank, error in failed.items() if error.startswith("FileNotFoundError")]
-    readers = [rank for rank, error in enumerate(outcomes) if error is None]
+    readers = [rank for rank in ranks if rank not in failed]
     why = (
         f" Rank(s) {missing} find nothing at that path where rank(s) {readers} read the checkpoint: "
         f"their hosts see a directory of their own there (a node-local disk). Put checkpoints on a "
