@@ -348,3 +348,22 @@ def test_bad_metric_values_say_what_to_pass() -> None:
         distkit.reduce_metrics({"x": 1.0}, op="average")
     with pytest.raises(TypeError, match="op='mean' has no meaning for a bool tensor"):
         distkit.all_reduce(torch.tensor([False]), op="mean")
+
+
+def outcomes_with_a_failure_on_rank_1() -> object:
+    from distkit.collectives import _outcomes
+
+    rank = distkit.get_rank()
+    failure = OSError("cannot open s3://AKIAKEY:hunter2@bucket/ckpt?token=t0k") if rank == 1 else None
+    try:
+        return _outcomes(failure, rank * 10)
+    except OSError as err:
+        return f"raised its own: {err}"
+
+
+def test_outcomes_name_the_failed_ranks_to_the_others_with_credentials_masked(ranks) -> None:
+    ours, theirs = ranks.run(outcomes_with_a_failure_on_rank_1, world_size=2)
+    assert theirs == "raised its own: cannot open s3://AKIAKEY:hunter2@bucket/ckpt?token=t0k"
+    values, failed = ours
+    assert values == [0, 10]
+    assert failed == {1: "OSError: cannot open s3://***@bucket/ckpt?token=***"}

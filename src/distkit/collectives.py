@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from distkit import runtime
 from distkit._doctor import doctor as _hang
+from distkit._utils.secrets import redact_text
 from distkit.errors import CollectiveTimeoutError, DistkitError
 
 __all__ = [
@@ -798,9 +799,9 @@ def _outcomes(failure: Exception | None, value: T) -> tuple[list[T], dict[int, s
     Collective: every rank calls it after the same work, whether that work failed (``failure``) or
     not, so that a failure on one rank cannot leave the others waiting in a later collective. A
     rank whose own work failed raises its ``failure`` after the gather; the others get the failed
-    ranks to name in their own error.
+    ranks to name in their own error, with any credentials in its text masked.
     """
-    error = None if failure is None else f"{type(failure).__name__}: {failure}"
+    error = None if failure is None else redact_text(f"{type(failure).__name__}: {failure}")
     gathered = all_gather_object((value, error))
     if failure is not None:
         raise failure
