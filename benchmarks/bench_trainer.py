@@ -2,6 +2,11 @@
 
 Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer.py [--blocks 80]
 
+With ``--breakdown [--blocks 10] [--setups ddp single fsdp]`` it prints instead what each of the
+Trainer's defaults costs a step (each switched on alone, then all of them, against the hand loop and
+an A/A pair of it; DDP on 2 ranks and one process, tiny and medium models, and FSDP): the
+measurement of benchmarks/bench_trainer_defaults.py, which takes those options.
+
 Two models: a tiny MLP (32->64->10, batch 32: overhead-bound, about 2 ms a step here) and a
 1.6 M-parameter MLP (256->1024->1024->256->10, batch 128: compute-bound). Three loops run in the
 same two processes with the same model size and optimizer (Adam): the hand-written loop and the
@@ -178,21 +183,46 @@ def _worker(rank: int, port: int, blocks: int, queue: mp.Queue) -> None:  # type
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=40, help="timed blocks per loop and model")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="timed blocks per loop and model (default 40; 10 with --breakdown)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print instead what each default costs (the measurement of bench_trainer_defaults.py)",
+    )
+    parser.add_argument(
+        "--setups",
+        nargs="+",
+        metavar="SETUP",
+        help="with --breakdown: ddp, single, fsdp (default: all three)",
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        from bench_trainer_defaults import main as breakdown
+
+        blocks = [] if args.blocks is None else ["--blocks", str(args.blocks)]
+        breakdown(blocks + (["--setups", *args.setups] if args.setups else []))
+        return
+    if args.setups:
+        parser.error("--setups goes with --breakdown")
+    blocks = 40 if args.blocks is None else args.blocks
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rank, port, args.blocks, queue)) for rank in range(2)]
+    procs = [ctx.Process(target=_worker, args=(rank, port, blocks, queue)) for rank in range(2)]
     for proc in procs:
         proc.start()
     results = queue.get(timeout=1800)
     for proc in procs:
         proc.join(timeout=60)
     print(
-        f"per-step time of rank 0, {args.blocks} interleaved blocks per loop (gloo, 2 CPU ranks, "
+        f"per-step time of rank 0, {blocks} interleaved blocks per loop (gloo, 2 CPU ranks, "
         f"1 thread each); overhead = Trainer / hand-written - 1"
     )
     for name, times in results.items():

@@ -3,8 +3,9 @@ switched on alone, and with all of them (its real defaults), against a hand-writ
 in the same blocks, with an A/A pair of the hand loop as the noise floor.
 
 Run by hand (not in CI):  .venv/bin/python benchmarks/bench_trainer_defaults.py [--blocks 10]
-[--setups ddp single fsdp]. benchmarks/bench_trainer_guard.py runs the same measurement for the
-Trainer with all its defaults alone and checks the ratios against the budgets of issue 29.
+[--setups ddp single fsdp], or the same options after ``benchmarks/bench_trainer.py --breakdown``.
+benchmarks/bench_trainer_guard.py runs the same measurement for the Trainer with all its defaults
+alone and checks the ratios against the budgets of issue 29.
 
 Workloads: benchmarks/bench_trainer.py's tiny MLP (overhead-bound) and medium MLP (compute-bound),
 each on 2 gloo ranks (DDP; the hand loop is seed 002's DDP loop) and in one process (the hand loop
@@ -266,11 +267,13 @@ SETUPS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Measure and print the table; ``argv``: the options (default: the command line's), also
+    given by ``bench_trainer.py --breakdown``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=10, help="timed blocks per loop, model and setup")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(
         f"per-step time / the hand loop's in the same block: median [quartiles] over {args.blocks} "
         f"blocks; wall clock, then CPU time of the process (rank 0)"
