@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The checks that need a machine with a CUDA GPU, in one run of at most about 9.5 minutes (the
+# The checks that need a machine with a CUDA GPU, in one run of at most 10 minutes (the
 # steps' limits and their kill delays; on an H200 machine, 2026-11-27, the steps took 47, 178, 109
 # and 51 s, before bench_trainer_gpu also ran the one-process tables):
 #
 #     bash scripts/gpu_checks.sh OUTDIR
 #
+# 0. the host: python, torch, cores, the kernel's clock source and what a read of each clock costs
+#    (the Trainer reads perf_counter six times a step; a clock source without a fast user-space
+#    read makes each a system call, which weighs on the guard's 0.3-0.7 ms one-process step);
 # 1. tests/test_cuda.py (NCCL, AMP, FSDP2 on the GPU, sharded checkpoints);
 # 2. benchmarks/bench_trainer_guard.py, issue 29's three ratios on CPU ranks (gloo), which need
 #    idle cores that the two ranks do not share: a GPU machine's many cores, with CUDA hidden;
@@ -48,7 +51,16 @@ step() {  # step NAME LIMIT_S COMMAND...
   [ "$code" -eq 0 ] || failed=1
 }
 
-step test_cuda 90 "$py" -m pytest -q -p no:cacheprovider "${plugin[@]}" tests/test_cuda.py
+step host 10 "$py" -c "
+import os, sys, time, timeit, torch
+source = '/sys/devices/system/clocksource/clocksource0/current_clocksource'
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cores', os.cpu_count())
+print('clock source', open(source).read().strip() if os.path.exists(source) else 'unknown')
+for name in ('perf_counter', 'process_time', 'thread_time'):
+    best = min(timeit.repeat(getattr(time, name), number=20_000, repeat=5))
+    print(f'time.{name}(): {best * 50:.3f} us a call')
+"
+step test_cuda 80 "$py" -m pytest -q -p no:cacheprovider "${plugin[@]}" tests/test_cuda.py
 step guard 210 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_trainer_guard.py --rounds 7
 step bench_trainer_gpu 170 "$py" benchmarks/bench_trainer_gpu.py --quick --strategy single ddp fsdp
 step bench_fsdp_memory 80 env CUDA_VISIBLE_DEVICES= "$py" benchmarks/bench_fsdp_memory.py --blocks 3
