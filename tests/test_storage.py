@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -897,6 +898,59 @@ def test_credentials_given_both_in_the_url_and_a_header_are_refused_naming_the_c
     # Either one alone is sent.
     assert distkit.download(url, tmp_path / "d.bin").read_bytes() == PAYLOAD
     distkit.download(http_server.url("/data.bin"), tmp_path / "e.bin", storage_options=options)
+
+
+def test_a_header_beside_a_netrc_entry_read_under_trust_env_is_refused_naming_the_file(
+    http_server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With trust_env, aiohttp takes the host's netrc entry as the request's credentials and refuses
+    # an Authorization header beside it; fsspec reported that as FileNotFoundError(url).
+    http_server.files["/data.bin"] = PAYLOAD
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text(f"machine 127.0.0.1 login user password {SECRET}\n")
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    options = {"client_kwargs": {"trust_env": True}, "headers": {"Authorization": f"Bearer {SECRET}-header"}}
+    with pytest.raises(
+        ValueError, match=rf"in the netrc file {re.escape(str(netrc_file))} \(its entry for "
+    ) as down:
+        distkit.download(http_server.url("/data.bin"), tmp_path / "d.bin", storage_options=options)
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with pytest.raises(ValueError, match="point the NETRC environment variable at a file without") as up:
+        distkit.upload(tmp_path / "a.txt", http_server.url("/a.txt"), storage_options=options)
+    for failure in (down.value, up.value):
+        assert "in an Authorization header in storage_options['headers']" in str(failure)
+        assert SECRET not in _everything_shown(failure)
+    assert http_server.requests == [] and not (tmp_path / "d.bin").exists()
+    # Without trust_env aiohttp does not read the file, and a file without the host is no conflict.
+    distkit.download(
+        http_server.url("/data.bin"), tmp_path / "d.bin", storage_options={"headers": options["headers"]}
+    )
+    netrc_file.write_text("machine elsewhere.example login user password other\n")
+    distkit.download(http_server.url("/data.bin"), tmp_path / "e.bin", storage_options=options)
+
+
+def test_a_misspelt_http_storage_option_is_named_with_the_one_meant(
+    http_server: FileServer, tmp_path: Path
+) -> None:
+    # fsspec's HTTP file system hands options it does not know to every aiohttp request, whose
+    # TypeError it reported as FileNotFoundError(url): "the file is missing" for a typo.
+    http_server.files["/data.bin"] = PAYLOAD
+    header = {"Authorization": f"Bearer {SECRET}"}
+    with pytest.raises(TypeError) as down:
+        distkit.download(http_server.url("/data.bin"), tmp_path / "d.bin", storage_options={"header": header})
+    said = str(down.value)
+    assert "nothing was sent" in said and "storage_options['header'] is no option" in said, said
+    assert "Did you mean 'headers'?" in said and SECRET not in _everything_shown(down.value)
+    assert http_server.requests == [] and not (tmp_path / "d.bin").exists()
+    with pytest.raises(
+        TypeError, match=r"storage_options\['timeout_s'\] is no option.*Did you mean 'timeout'\?"
+    ):
+        distkit.download(http_server.url("/data.bin"), tmp_path / "d.bin", storage_options={"timeout_s": 5})
+    # A missing file is still FileNotFoundError.
+    with pytest.raises(FileNotFoundError):
+        distkit.download(
+            http_server.url("/missing.bin"), tmp_path / "m.bin", storage_options={"headers": header}
+        )
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -8,11 +8,17 @@ a 5xx answer) with back-off. The markers' names and the manifest's format are th
 from __future__ import annotations
 
 import asyncio
+import difflib
 import errno
 import http
+import inspect
+import netrc
+import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -80,7 +86,13 @@ def _problem_lines(problems: list[str]) -> str:
 # Pairs of places that aiohttp refuses to take credentials from at once: an Authorization header
 # beside any other credential, and a request's auth beside the URL's user part. (A session auth
 # beside the URL's user part is not refused: aiohttp sends the URL's, and that is no error.)
-_CREDENTIAL_CONFLICTS = (("url", "header"), ("header", "auth"), ("header", "client_auth"), ("url", "auth"))
+_CREDENTIAL_CONFLICTS = (
+    ("url", "header"),
+    ("header", "auth"),
+    ("header", "client_auth"),
+    ("url", "auth"),
+    ("header", "netrc"),
+)
 
 
 def _check_http_credentials(url: str, options: Mapping[str, Any], *, shown: str) -> None:
@@ -113,19 +125,49 @@ def _check_http_credentials(url: str, options: Mapping[str, Any], *, shown: str)
         places["auth"] = "in storage_options['auth']"
     if client.get("auth") is not None:
         places["client_auth"] = "in storage_options['client_kwargs']['auth']"
+    host = parts.hostname
+    if client.get("trust_env") and host and not places.keys() & {"url", "auth", "client_auth"}:
+        # With trust_env, aiohttp takes a request's credentials from the netrc file when none are
+        # given otherwise, and then refuses an Authorization header beside them.
+        found = _netrc_with(host)
+        if found is not None:
+            places["netrc"] = f"in the netrc file {found} (its entry for {host})"
     for first, second in _CREDENTIAL_CONFLICTS:
         if first in places and second in places:
-            hint = (
-                " (a URL's user:password@ is sent as the header 'Authorization: Basic <base64 of "
-                "user:password>')"
-                if first == "url"
-                else ""
-            )
+            hint = ""
+            if first == "url":
+                hint = (
+                    " (a URL's user:password@ is sent as the header 'Authorization: Basic <base64 of "
+                    "user:password>')"
+                )
+            elif second == "netrc":
+                hint = (
+                    f" (aiohttp reads that file because storage_options['client_kwargs']['trust_env'] "
+                    f"is true; to keep trust_env for a proxy, point the NETRC environment variable at a "
+                    f"file without {host})"
+                )
             raise ValueError(
                 f"the credentials for {shown} are given twice, {places[first]} and {places[second]}; "
                 f"aiohttp, fsspec's HTTP client, refuses to send a request with both, even when they "
                 f"agree. Give the credential once: remove one of the two{hint}."
             )
+
+
+def _netrc_with(host: str) -> str | None:
+    """The netrc file aiohttp reads under ``trust_env`` (``$NETRC``, else ``~/.netrc``), if it
+    holds credentials for ``host`` (a ``default`` entry counts); ``None`` otherwise, and where aiohttp
+    would not read it (missing, unreadable, malformed)."""
+    path = os.environ.get("NETRC")
+    if path is None:
+        try:
+            path = str(Path.home() / ("_netrc" if sys.platform == "win32" else ".netrc"))
+        except RuntimeError:  # no home directory
+            return None
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return None if entry is None else path
 
 
 # -- retries --------------------------------------------------------------------------------------
@@ -214,7 +256,12 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
     """A ``FileNotFoundError`` that stands for an HTTP answer other than 404/410 (see
     :func:`_http_answer`), as the error that answer means; ``None`` to raise ``err`` as it is. A
     404 or 410 stays a ``FileNotFoundError`` and gets a note naming the status."""
-    answer = _http_answer(err) if isinstance(err, FileNotFoundError) else None
+    if not isinstance(err, FileNotFoundError):
+        return None
+    unsent = _refused_locally(err, what, scrub)
+    if unsent is not None:
+        return unsent
+    answer = _http_answer(err)
     if answer is None:
         return None
     status, reason = answer
@@ -237,6 +284,40 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
             f"(headers, query parameters) the server expects."
         )
     )
+
+
+def _refused_locally(err: FileNotFoundError, what: str, scrub: Scrubber) -> BaseException | None:
+    """The error meant by fsspec's ``FileNotFoundError(url)`` when the HTTP client refused to send
+    the request at all (a ``TypeError`` or ``ValueError`` raised before anything went out: an
+    option it does not take, credentials in two places); ``None`` for any other failure."""
+    cause = err.__cause__
+    aiohttp = sys.modules.get("aiohttp")
+    if not isinstance(cause, (TypeError, ValueError)) or (
+        aiohttp is not None and isinstance(cause, aiohttp.ClientError)
+    ):
+        return None
+    refused = f"{coordination._type_name(cause)}: {cause}"
+    said = f"{_label()} {what}: nothing was sent; the HTTP client refused the request ({refused})"
+    unknown = re.search(r"unexpected keyword argument '([^']+)'", str(cause))
+    if isinstance(cause, TypeError) and unknown is not None and aiohttp is not None:
+        name = unknown.group(1)
+        import fsspec
+
+        known = {
+            *inspect.signature(fsspec.get_filesystem_class("http")).parameters,
+            *inspect.signature(aiohttp.ClientSession._request).parameters,
+        }
+        close = difflib.get_close_matches(
+            name, sorted(known - {"self", "kwargs", "method", "str_or_url"}), n=1
+        )
+        meant = f" Did you mean {close[0]!r}?" if close else ""
+        return TypeError(
+            scrub.text(
+                f"{said}. storage_options[{name!r}] is no option of fsspec's HTTP file system, which "
+                f"hands each option it does not know to every aiohttp request.{meant}"
+            )
+        )
+    return ValueError(scrub.text(f"{said}. Fix the storage_options (or the URL) it names, then run again."))
 
 
 def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
