@@ -256,6 +256,27 @@ def test_help_lists_every_option_with_type_default_and_docstring(
             None,
             ["optimizer.lr: expected float", "got 'fast'"],
         ),
+        # A file's value is checked as the file is read: the file is named, even when the command
+        # line gives the key too (was: "Set it on the command line ... or in a --config file").
+        (
+            ["--model.hidden", "4"],
+            {"optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": "fast"}}},
+            ["optimizer.lr: expected float", "got 'fast'. Fix optimizer.lr in", "bad.yaml. --help"],
+        ),
+        (
+            ["--model.hidden", "4", "--trainer.max_epochs", "3"],
+            {"trainer": {"max_epochs": "many"}},
+            [
+                "got 'many'. Fix trainer.max_epochs in",
+                "bad.yaml: a --config file's values are checked as the file is read, so another value "
+                "given for it elsewhere does not mend this one.",
+            ],
+        ),
+        (
+            ["--model.hidden", "4", "--optimizer", "torch.optim.SGD"],
+            {"optimizer": {"class_path": "torch.optimm.SGD", "init_args": {"lr": 0.1}}},
+            ["Did you mean torch.optim.SGD? Fix optimizer in", "bad.yaml: a --config file's values"],
+        ),
         (
             [],
             None,
@@ -409,6 +430,9 @@ def test_help_lists_every_option_with_type_default_and_docstring(
         "wrong-type-cli",
         "wrong-type-in-file",
         "wrong-type-init-arg",
+        "wrong-type-init-arg-in-file",
+        "wrong-type-in-file-beside-the-cli",
+        "class-typo-in-file-beside-the-cli",
         "missing",
         "class-typo-cli",
         "class-name-typo",

@@ -120,10 +120,8 @@ def explain(parser: ArgumentParser, err: BaseException, argv: list[str]) -> str:
             return f"{unresolved} {fix}"
         expected = _expected(action) if action is not None else _expected_from_text(text)
         quoted = shown(value_text) if value_text is not None else "the value given"
-        return (
-            f"{key}: expected {expected}, got {quoted}. Set it on the command line (--{key} VALUE) or in "
-            f"a --config file. {fix}"
-        )
+        where = where_to_fix(argv, key, "VALUE", value_text)
+        return f"{key}: expected {expected}, got {quoted}. {where} {fix}"
     return f"{_tidy(text)}\n{fix}"
 
 
@@ -139,12 +137,38 @@ def explain_trainer_option(parser: ArgumentParser, err: BaseException, argv: lis
     return f"{key}: {err} {where} --help lists every option with its type and default."
 
 
-def where_to_fix(argv: list[str], key: str, metavar: str) -> str:
-    """Where to change ``key``: the config file that set it, unless the command line did. Local."""
+def where_to_fix(argv: list[str], key: str, metavar: str, refused: str | None = None) -> str:
+    """Where to change ``key``: the config file that set it, unless the command line did. Local.
+
+    ``refused``: the value the parser refused, when known. A config file's value is checked as the
+    file is read, so a value given elsewhere (the command line, another file) cannot mend it: a file
+    holding the refused value is named even when the command line gives the key too."""
+    on_line = _value_on_command_line(argv, key)
+    if refused is not None and refused != on_line:
+        paths = config_paths(argv)
+        values = [_value_in_config_files([f"--config={path}"], key)[0] for path in paths]
+        holding = [_holds(value, refused) for value in values]
+        if any(holding):
+            # Checked as its file is read: neither a later file nor the command line can mend it.
+            first = holding.index(True)
+            elsewhere = on_line is not None or sum(v is not None for v in values) > 1
+            return f"Fix {key} in {paths[first]}" + (
+                ": a --config file's values are checked as the file is read, so another value given "
+                "for it elsewhere does not mend this one."
+                if elsewhere
+                else "."
+            )
     _, in_file = _value_in_config_files(argv, key)
-    if in_file is not None and _value_on_command_line(argv, key) is None:
+    if in_file is not None and on_line is None:
         return f"Fix {key} in {in_file}, or set it on the command line (--{key} {metavar})."
     return f"Set {key} on the command line (--{key} {metavar}) or in a --config file."
+
+
+def _holds(value: Any, refused: str) -> bool:
+    """Whether a config file's ``value`` is the ``refused`` one (a class given by its path too)."""
+    if isinstance(value, dict):
+        value = value.get("class_path")
+    return value is not None and str(value) == refused
 
 
 def _value_on_command_line(argv: list[str], key: str) -> str | None:
@@ -177,7 +201,7 @@ def _unresolved_class(key: str, value: str | None, action: Any, argv: list[str])
     advice = (
         f"Did you mean {close}?" if close else f"Give a subclass of {_names(bases)} (a name or import path)."
     )
-    return f"{key}: {path} names no class ({why}). {advice} {where_to_fix(argv, key, 'CLASS')}"
+    return f"{key}: {path} names no class ({why}). {advice} {where_to_fix(argv, key, 'CLASS', path)}"
 
 
 def _missing_part(path: str) -> str | None:
