@@ -37,6 +37,7 @@ from distkit import runtime
 from distkit._doctor import doctor as _hang
 from distkit._utils.secrets import redact_text
 from distkit.errors import CollectiveTimeoutError, DistkitError
+from distkit.runtime import _rank_label
 
 __all__ = [
     "MetricValue",
@@ -252,10 +253,6 @@ def _check_src(src: int, peers: _Peers | None, fn: str) -> None:
         )
 
 
-def _label() -> str:
-    return f"[rank {runtime.get_rank()}/{runtime.get_world_size()}]"
-
-
 def _wait_group(work: Any, what: str, peers: _Peers) -> None:
     """Wait for a collective of a caller's gloo group, bounded by distkit's timeout."""
     current = runtime._current()
@@ -267,7 +264,7 @@ def _wait_group(work: Any, what: str, peers: _Peers) -> None:
             work.wait()  # the collective's own error, if it failed rather than timed out
             return
         raise CollectiveTimeoutError(
-            f"{_label()} {what}(){peers.describe()} did not complete within {timeout_s:g} s: some "
+            f"{_rank_label()} {what}(){peers.describe()} did not complete within {timeout_s:g} s: some "
             f"rank of the group did not arrive (it waits in another collective, or is still "
             f"computing). Call it on every rank of the group, in the same order; a longer wait "
             f"needs distkit.init(timeout_s=...).",
@@ -319,7 +316,7 @@ def _run(what: str, tensor: torch.Tensor, peers: _Peers, collective: Any, *args:
         return
     if tensor.device.type == "cpu" and peers.device.type != "cpu":
         raise DistkitError(
-            f"{_label()} {what}() got a CPU tensor for a group whose backend "
+            f"{_rank_label()} {what}() got a CPU tensor for a group whose backend "
             f"({dist.get_backend(peers.handle)}) only moves GPU tensors; pass "
             f"tensor.to(distkit.get_device()), or make the group with backend='gloo'."
         )
@@ -440,7 +437,7 @@ def _explain_mismatch(signature: Sequence[tuple[str, bool]], op: str, peers: _Pe
         ranks = [rank for rank, _ in invalid]
         described = "; ".join(f"rank {rank}: {text.rstrip('.')}" for rank, text in invalid)
         return DistkitError(
-            f"{_label()} reduce_metrics(){peers.describe()} got invalid "
+            f"{_rank_label()} reduce_metrics(){peers.describe()} got invalid "
             f"arguments on rank(s) {ranks}, so it raises on every rank: {described}. Fix the value on "
             f"that rank (every rank must pass numbers, one-element tensors or (sum, count) pairs)."
         )
@@ -484,7 +481,7 @@ def _explain_mismatch(signature: Sequence[tuple[str, bool]], op: str, peers: _Pe
         lines.append("the header differed although op, names, kinds and order agree")
         fixes.append("the same arguments")
     return DistkitError(
-        f"{_label()} reduce_metrics(){peers.describe()} was called with "
+        f"{_rank_label()} reduce_metrics(){peers.describe()} was called with "
         f"different arguments on different ranks: {'; '.join(lines)}. Every rank must pass "
         f"{' and '.join(fixes)}."
     )
@@ -710,7 +707,7 @@ def all_gather(tensor: torch.Tensor, *, group: Any = None) -> list[torch.Tensor]
             for r, row in rows.items()
         )
         raise DistkitError(
-            f"{_label()} all_gather(){peers.describe()} needs the same dtype and the same number of "
+            f"{_rank_label()} all_gather(){peers.describe()} needs the same dtype and the same number of "
             f"dimensions on every rank (the sizes may differ), got {described}."
         )
     ndim = data.dim()
@@ -943,7 +940,7 @@ def scatter_object(objects: Sequence[T] | None, src: int = 0, *, group: Any = No
         if error is not None:
             raise error
         raise DistkitError(
-            f"{_label()} scatter_object(){peers.describe()}: the source rank {src} passed invalid "
+            f"{_rank_label()} scatter_object(){peers.describe()}: the source rank {src} passed invalid "
             f"objects, so it raises on every rank: {_from_bytes(message)}"
         )
     longest = max(lengths[1:])

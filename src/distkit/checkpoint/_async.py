@@ -25,11 +25,11 @@ from typing import Any
 from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._commit import _Handshake
-from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _Storage
 from distkit.checkpoint._format import _manifest_builder
 from distkit.checkpoint._sharded import _start_async_sharded
 from distkit.checkpoint._state import _check_loadable, _collect, _to_cpu
+from distkit.runtime import _rank_label
 
 
 @dataclass(eq=False)  # compared by identity: the exit registry removes this very save
@@ -46,7 +46,7 @@ class _Pending:
     # The error was already raised in save() on this rank; wait() only settles the handshake.
     raised: bool = False
     # "[rank R/W]" when the save started: at interpreter exit the process group may be gone.
-    label: str = field(default_factory=_label)
+    label: str = field(default_factory=_rank_label)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from distkit import runtime
-from distkit.checkpoint._errors import CheckpointConflictError, _label
+from distkit.checkpoint._errors import CheckpointConflictError
 from distkit.collectives import broadcast_object
 from distkit.errors import CollectiveTimeoutError, DistkitError, MainProcessError
+from distkit.runtime import _rank_label
 
 #: Permission bits of checkpoint files: readable and writable by the owner only, because a
 #: checkpoint can hold data and weights that are not meant for other users of a shared machine.
@@ -96,11 +97,11 @@ class _Handshake:
                 waited = time.monotonic() - start
                 if waited < self.timeout_s * 0.99:
                     raise DistkitError(
-                        f"{_label()} lost contact with the job's store while waiting for rank 0 to "
+                        f"{_rank_label()} lost contact with the job's store while waiting for rank 0 to "
                         f"{self.verb} {self.what}: {err}. Rank 0 has probably died; see its log."
                     ) from err
                 raise CollectiveTimeoutError(
-                    f"{_label()} waited {self.timeout_s:g} s for rank 0 to {self.verb} {self.what}; it "
+                    f"{_rank_label()} waited {self.timeout_s:g} s for rank 0 to {self.verb} {self.what}; it "
                     f"did not report. Rank 0 is stuck or its storage is very slow; raise timeout_s if "
                     f"saves legitimately take this long.",
                     missing_ranks=[0],
@@ -115,11 +116,11 @@ class _Handshake:
                 directory=conflict["directory"],
                 holder=conflict["holder"],
                 steps=conflict["steps"],
-                label=_label(),
+                label=_rank_label(),
             )
         if outcome:
             raise MainProcessError(
-                f"{_label()} {self.action} {self.what} failed on the main process (rank 0): "
+                f"{_rank_label()} {self.action} {self.what} failed on the main process (rank 0): "
                 f"{outcome['type']}: {outcome['message']}",
                 exc_type=outcome["type"],
                 exc_message=outcome["message"],

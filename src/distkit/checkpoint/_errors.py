@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from distkit import runtime
 from distkit._utils.secrets import redact_url
 from distkit.errors import DistkitError
 
@@ -138,7 +137,3 @@ def _rebuild_conflict(
     reason: str, directory: str, holder: dict[str, Any] | None, steps: list[int], label: str
 ) -> CheckpointConflictError:
     return CheckpointConflictError(reason, directory=directory, holder=holder, steps=steps, label=label)
-
-
-def _label() -> str:
-    return f"[rank {runtime.get_rank()}/{runtime.get_world_size()}]"

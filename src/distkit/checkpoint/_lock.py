@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._errors import CheckpointConflictError, _label
+from distkit.checkpoint._errors import CheckpointConflictError
 from distkit.checkpoint._files import _join, _RemoteStorage, _Storage
+from distkit.runtime import _rank_label
 
 try:  # POSIX; elsewhere the writer lock is off (with a warning), see _LocalWriterLock
     import fcntl
@@ -167,7 +168,7 @@ class _LocalWriterLock:
                     f"the server notices a crashed client).",
                     directory=self.directory,
                     holder=holder,
-                    label=_label(),
+                    label=_rank_label(),
                 ) from err
             info = json.dumps(_holder_of_this_process(self.directory)).encode()
             with contextlib.suppress(OSError):  # the name is for error messages only
@@ -207,7 +208,7 @@ class _LocalWriterLock:
             return
         _unlocked_warned.add(self.path)
         warnings.warn(
-            f"{_label()} cannot lock {self.what} {self.directory} ({why}); writing without the "
+            f"{_rank_label()} cannot lock {self.what} {self.directory} ({why}); writing without the "
             f"writer lock, so a second job writing there would not be detected.",
             stacklevel=5,
         )
@@ -270,7 +271,8 @@ class _RemoteWriterLease:
         previous = self.scrub.call(self._read)
         if previous is not None:
             warnings.warn(
-                f"{_label()} the checkpoint directory {redact_url(self.directory)} has a writer lease of "
+                f"{_rank_label()} the checkpoint directory {redact_url(self.directory)} has a writer "
+                f"lease of "
                 f"{_describe_holder(previous)}; taking it over. An object store cannot tell a live "
                 f"writer from a dead one, so the newest writer wins: if that job still runs, its next "
                 f"save stops with CheckpointConflictError.",
@@ -296,7 +298,7 @@ class _RemoteWriterLease:
                 f"delete each other's checkpoints: stop one job, or give each its own directory.",
                 directory=self.directory,
                 holder=current,
-                label=_label(),
+                label=_rank_label(),
             )
 
     def release(self) -> None:

@@ -37,7 +37,7 @@ from distkit.checkpoint._commit import (
     _resolve_timeout,
     _step_for_manifest,
 )
-from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError, _label
+from distkit.checkpoint._errors import CheckpointConflictError, CheckpointCorruptError
 from distkit.checkpoint._files import _join, _storage_for
 from distkit.checkpoint._format import _MANIFEST_FILE
 from distkit.checkpoint._io import _load_verified, _restore_into, _save_checkpoint
@@ -47,6 +47,7 @@ from distkit.checkpoint._sharded import _check_sharded_option, _use_sharded
 from distkit.checkpoint._state import _check_state, _collect
 from distkit.collectives import _outcomes
 from distkit.errors import CollectiveTimeoutError, DistkitError
+from distkit.runtime import _rank_label
 
 
 class CheckpointManager:
@@ -245,7 +246,7 @@ class CheckpointManager:
                     f"deletes them.",
                     directory=self.directory,
                     steps=committed,
-                    label=_label(),
+                    label=_rank_label(),
                 )
             if not lock_first:
                 self._lock.acquire()
@@ -425,7 +426,8 @@ class CheckpointManager:
             pending.thread.join(self.timeout_s)
             if pending.thread.is_alive():
                 raise CollectiveTimeoutError(
-                    f"{_label()} the background save of step {pending.step} to {redact_url(pending.path)} "
+                    f"{_rank_label()} the background save of step {pending.step} to "
+                    f"{redact_url(pending.path)} "
                     f"is still running after {self.timeout_s:g} s; raise timeout_s if saves legitimately "
                     f"take this long.",
                     missing_ranks=None,
@@ -443,7 +445,7 @@ class CheckpointManager:
             raise pending.error  # the same refusal as on the other ranks, not a crash to wrap
         if pending.error is not None and not pending.raised:
             raise DistkitError(
-                f"{_label()} the background save of step {pending.step} to {redact_url(pending.path)} "
+                f"{_rank_label()} the background save of step {pending.step} to {redact_url(pending.path)} "
                 f"failed: {type(pending.error).__name__}: {pending.error}"
             ) from pending.error
 
@@ -549,8 +551,8 @@ class CheckpointManager:
         chosen, failed = _outcomes(failure, restored)
         if failed:
             raise DistkitError(
-                f"{_label()} restoring from {redact_url(self.directory)} failed on rank(s) {sorted(failed)}: "
-                + "; ".join(f"rank {rank}: {error}" for rank, error in failed.items())
+                f"{_rank_label()} restoring from {redact_url(self.directory)} failed on rank(s) "
+                f"{sorted(failed)}: " + "; ".join(f"rank {rank}: {error}" for rank, error in failed.items())
             )
         if len(set(chosen)) > 1:
             none = [rank for rank, step in enumerate(chosen) if step is None]
@@ -568,7 +570,7 @@ class CheckpointManager:
                     f"for the Trainer, pass such a default_root_dir."
                 )
             raise DistkitError(
-                f"{_label()} ranks restored different checkpoints from {redact_url(self.directory)}: "
+                f"{_rank_label()} ranks restored different checkpoints from {redact_url(self.directory)}: "
                 f"{dict(enumerate(chosen))} (rank: step). {why}"
             )
         return restored
@@ -585,7 +587,7 @@ class CheckpointManager:
             except CheckpointCorruptError as err:
                 self._dir.corrupt[entry.path] = err.reason
                 warnings.warn(
-                    f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
+                    f"{_rank_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,
                 )
                 continue
@@ -606,7 +608,7 @@ class CheckpointManager:
             self._dir.apply_retention(just_saved, self.keep_last, self.keep_best, self.monitor, self.mode)
         except Exception as err:
             warnings.warn(
-                f"{_label()} retention after saving step {just_saved} in {redact_url(self.directory)} "
+                f"{_rank_label()} retention after saving step {just_saved} in {redact_url(self.directory)} "
                 f"failed: {type(err).__name__}: {err}. The new checkpoint is committed; older ones were "
                 f"not deleted this time.",
                 stacklevel=3,

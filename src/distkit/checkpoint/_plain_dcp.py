@@ -23,10 +23,10 @@ from torch import nn
 
 from distkit._utils.secrets import redact_url
 from distkit.checkpoint._dcp_load import _check_module, _DcpEntry, _load_everything, _reader, _restore_dcp
-from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _LocalStorage, _Storage
 from distkit.checkpoint._state import _optimizer_owners
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 
 # The entries torchtitan saves beside the model's keys, which it puts at the top level
 # (torchtitan/components/checkpoint.py: MODEL is flattened, OPTIMIZER, LR_SCHEDULER, DATALOADER and
@@ -141,7 +141,7 @@ def _load_plain_dcp(
     if absent or left:
         loaded = [entry.key for entry in entries]
         what = "a torch.distributed.checkpoint directory without a distkit manifest"
-        said = [f"{_label()} {redact_url(path)} is {what}"]
+        said = [f"{_rank_label()} {redact_url(path)} is {what}"]
         said.append(f"loaded {loaded}" if loaded else "loaded nothing from it")
         if absent:
             said.append(

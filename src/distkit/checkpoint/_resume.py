@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from distkit import runtime
-from distkit.checkpoint._errors import _label
 from distkit.collectives import all_gather_object
+from distkit.runtime import _rank_label
 from distkit.seeding import capture_rng_state, restore_rng_state
 
 
@@ -86,7 +86,7 @@ class ResumeState:
             return
         seed = _reseed(saved, rank, world_size)
         warnings.warn(
-            f"{_label()} the checkpoint's RNG states were saved by {state['world_size']} rank(s) and "
+            f"{_rank_label()} the checkpoint's RNG states were saved by {state['world_size']} rank(s) and "
             f"this job has {world_size}: per-rank streams cannot be restored one to one, so this rank "
             f"was reseeded deterministically from them (seed {seed}). The loop position, model and "
             f"optimizer are restored as saved.",

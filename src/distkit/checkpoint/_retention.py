@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._errors import CheckpointCorruptError, ForeignCheckpointError, _label
+from distkit.checkpoint._errors import CheckpointCorruptError, ForeignCheckpointError
 from distkit.checkpoint._files import _join, _read_manifest, _Storage, _verify
 from distkit.checkpoint._foreign import _foreign_checkpoints
 from distkit.checkpoint._format import (
@@ -26,6 +26,7 @@ from distkit.checkpoint._format import (
     _is_own_file,
 )
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class _StepDirectory:
             f", ... ({len(found)} in all)" if len(found) > 5 else ""
         )
         message = (
-            f"{_label() + ' ' if label else ''}the checkpoint directory {redact_url(self.directory)} holds "
+            f"{_rank_label() + ' ' if label else ''}the checkpoint directory "
+            f"{redact_url(self.directory)} holds "
             f"no distkit checkpoint (step_<N> directories with a {_MANIFEST_FILE}) but {len(found)} of "
             f"another tool: {names}; the "
             f"newest, {newest}, looks like {layout.description}. A CheckpointManager (and "
@@ -108,7 +110,7 @@ class _StepDirectory:
             except CheckpointCorruptError as err:
                 self.corrupt[entry.path] = err.reason
                 warnings.warn(
-                    f"{_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
+                    f"{_rank_label()} skipping corrupt checkpoint {redact_url(entry.path)}: {err.reason}.",
                     stacklevel=3,
                 )
                 continue
@@ -131,7 +133,7 @@ class _StepDirectory:
                     else f"{redact_url(entry.path)}: it has no {_MANIFEST_FILE} and holds files distkit did "
                     f"not write ({self.foreign(entry)}), so it is not a distkit checkpoint"
                 )
-                warnings.warn(f"{_label()} skipping {what}.", stacklevel=4)
+                warnings.warn(f"{_rank_label()} skipping {what}.", stacklevel=4)
 
     def ranked_by_metric(self, committed: list[_Entry], monitor: str, mode: str) -> list[_Entry]:
         scored = []
@@ -196,7 +198,7 @@ class _StepDirectory:
                 self.delete_unless_foreign(entry, "it also holds")
             except OSError as err:
                 warnings.warn(
-                    f"{_label()} retention could not delete {redact_url(entry.path)}: {err}. The new "
+                    f"{_rank_label()} retention could not delete {redact_url(entry.path)}: {err}. The new "
                     f"checkpoint is committed; delete the old one by hand to free the space.",
                     stacklevel=4,
                 )
@@ -232,7 +234,7 @@ class _StepDirectory:
                     continue
             except OSError as err:
                 raise DistkitError(
-                    f"{_label()} overwrite=True could not delete {redact_url(entry.path)}: "
+                    f"{_rank_label()} overwrite=True could not delete {redact_url(entry.path)}: "
                     f"{type(err).__name__}: {err}. Nothing was saved; delete it by hand (or fix its "
                     f"permissions) and start again."
                 ) from err
@@ -240,7 +242,7 @@ class _StepDirectory:
                 deleted.append(entry.step)
         if deleted:
             warnings.warn(
-                f"{_label()} overwrite=True: deleted the checkpoints of steps "
+                f"{_rank_label()} overwrite=True: deleted the checkpoints of steps "
                 f"{_shown_steps(sorted(deleted))} in {redact_url(self.directory)} before this run's first "
                 f"save.",
                 stacklevel=5,
@@ -256,7 +258,7 @@ class _StepDirectory:
             return
         self.kept_warned.add(entry.path)
         warnings.warn(
-            f"{_label()} retention keeps {redact_url(entry.path)}: {why}. distkit never deletes what it "
+            f"{_rank_label()} retention keeps {redact_url(entry.path)}: {why}. distkit never deletes what it "
             f"cannot read or did not write; look at it, and delete it by hand if it is not needed.",
             stacklevel=stacklevel,
         )
@@ -288,7 +290,8 @@ def _skipping_mislabeled(entry: _Entry, manifest: Mapping[str, Any]) -> str:
     # cost is redone steps, never wrong ones.
     step = manifest["step"]
     return (
-        f"{_label()} skipping checkpoint {redact_url(entry.path)}: {_mislabeled_reason(entry, manifest)}. "
+        f"{_rank_label()} skipping checkpoint {redact_url(entry.path)}: "
+        f"{_mislabeled_reason(entry, manifest)}. "
         f"Resuming from it would pair step {step}'s state with step {entry.step}'s position, so an older "
         f"checkpoint is used. Delete it, or rename it to step_{step:09d} if that name is free."
     )

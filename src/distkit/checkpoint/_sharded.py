@@ -29,11 +29,11 @@ from torch import nn
 
 from distkit import runtime
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._errors import _label
 from distkit.checkpoint._files import _crc32_of_fd, _LocalStorage, _open_regular, _Storage
 from distkit.checkpoint._format import _DCP_METADATA_FILE, _manifest_builder
 from distkit.checkpoint._state import _holds_dtensors, _optimizer_owners
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 
 # --------------------------------------------------------------------------------------------------
 # What is sharded: modules with DTensor parameters, and the optimizers that update them.
@@ -152,7 +152,7 @@ def _agree_on_staging(
         raise error
     if failed:
         raise DistkitError(
-            f"{_label()} saving checkpoint {redact_url(target)} failed on rank(s) {sorted(failed)} "
+            f"{_rank_label()} saving checkpoint {redact_url(target)} failed on rank(s) {sorted(failed)} "
             f"before anything was written: "
             + "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
         )
@@ -201,7 +201,7 @@ def _check_shards_here(staging: str, target: str, outcomes: list[Any]) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     ranks = sorted(unseen)
     raise DistkitError(
-        f"{_label()} saving sharded checkpoint {redact_url(target)}: the shard files of rank(s) "
+        f"{_rank_label()} saving sharded checkpoint {redact_url(target)}: the shard files of rank(s) "
         f"{ranks} ({', '.join(sorted(n for r in ranks for n in unseen[r])[:4])}) are not in rank 0's "
         f"staging directory, so their hosts write to a directory of their own, not one rank 0 sees. "
         f"A sharded checkpoint needs a directory on a filesystem every node mounts (NFS, Lustre, "
@@ -259,7 +259,7 @@ class _ShardedSave:
             if own is not None:
                 raise own
             raise DistkitError(
-                f"{_label()} writing the shards of checkpoint {redact_url(self.target)} failed on "
+                f"{_rank_label()} writing the shards of checkpoint {redact_url(self.target)} failed on "
                 f"rank(s) {sorted(failed)}: "
                 + "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
                 + ". Nothing was committed; the checkpoints saved before are untouched."

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from distkit._utils.secrets import redact_url
-from distkit.checkpoint._errors import _label
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 
 # Exact types torch.load(weights_only=True) rebuilds without help (see torch._weights_only_unpickler):
 # a subclass (a namedtuple, a numpy scalar, a defaultdict) is refused at load time.
@@ -470,14 +470,15 @@ def _restore(
         )
     if missing and imported_from is not None:
         warnings.warn(
-            f"{_label()} checkpoint {redact_url(path)} was imported from {imported_from} (distkit checkpoint "
-            f"import): it has no {missing}, which start fresh (a Trainer resuming from it counts from step "
-            f"0, with fresh random streams and data order).",
+            f"{_rank_label()} checkpoint {redact_url(path)} was imported from {imported_from} "
+            f"(distkit checkpoint import): it has no {missing}, which start fresh (a Trainer resuming "
+            f"from it counts from step 0, with fresh random streams and data order).",
             stacklevel=stacklevel,
         )
     elif missing:
         warnings.warn(
-            f"{_label()} checkpoint {redact_url(path)} has no entries {missing}; they were left as they are.",
+            f"{_rank_label()} checkpoint {redact_url(path)} has no entries {missing}; they were left "
+            f"as they are.",
             stacklevel=stacklevel,
         )
     owners: dict[str, str] | None = None

@@ -400,7 +400,7 @@ def stream_dataloader(
         everyone = collectives.all_gather_object(options)
         if any(other != options for other in everyone):
             raise DistkitError(
-                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the ranks made stream loaders "
+                f"{runtime._rank_label()} the ranks made stream loaders "
                 f"with different (batch_size, shuffle, seed, evaluation, buffer_size, dataset type): "
                 f"{everyone}. Every rank reads the same stream and takes its slice of it: pass the "
                 f"same options on every rank."

@@ -23,6 +23,7 @@ from distkit.runtime._join import (
 )
 from distkit.runtime._ranks import (
     RankLoggerAdapter,
+    _rank_label as _rank_label,
     get_device,
     get_env,
     get_local_rank,

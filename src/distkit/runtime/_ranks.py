@@ -288,7 +288,13 @@ class RankLoggerAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
         extra.setdefault("rank", env.rank)
         extra.setdefault("world_size", env.world_size)
         kwargs["extra"] = extra
-        return f"[rank {env.rank}/{env.world_size}] {msg}", kwargs
+        return f"{_rank_label()} {msg}", kwargs
+
+
+def _rank_label() -> str:
+    """``[rank R/W]``, how distkit's messages name the process that prints them. Local."""
+    env = get_env()
+    return f"[rank {env.rank}/{env.world_size}]"
 
 
 def get_logger(name: str = "distkit", *, main_process_only: bool = False) -> RankLoggerAdapter:

@@ -30,6 +30,7 @@ from distkit._utils.fs import atomic_open, fsync_dir, temp_name, umask_mode
 from distkit._utils.secrets import Scrubber
 from distkit._utils.slips import names_slips
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 from distkit.storage._transfer import (
     _CHUNK,
     _MANIFEST_FORMAT,
@@ -38,7 +39,6 @@ from distkit.storage._transfer import (
     INCOMPLETE_NAME,
     MANIFEST_NAME,
     _check_http_credentials,
-    _label,
     _log,
     _problem_lines,
     _protocols,
@@ -193,7 +193,7 @@ class _Download:
             lock.acquire()
         except filelock.Timeout:
             raise LockTimeoutError(
-                f"{_label()} could not take the download lock {lock_path} within {self.timeout_s:g} s: "
+                f"{_rank_label()} could not take the download lock {lock_path} within {self.timeout_s:g} s: "
                 f"another process is fetching to {dest} (another job on this node?). The kernel "
                 f"releases the lock of a process that dies, so a live one holds it: find it with "
                 f"`fuser {lock_path}`, or pass a larger timeout_s.",
@@ -282,7 +282,7 @@ class _Download:
             _, actual = self._copy(fs, path, out)
             if self.sha256 is not None and actual != self.sha256:
                 raise ChecksumMismatchError(
-                    f"{_label()} the sha256 of {self.shown} is {actual}, expected {self.sha256}; "
+                    f"{_rank_label()} the sha256 of {self.shown} is {actual}, expected {self.sha256}; "
                     f"nothing was written to {self.dest}. Check the expected checksum, or whether "
                     f"the source changed.",
                     expected=self.sha256,
@@ -322,7 +322,7 @@ class _Download:
                 expected = promised.get(rel)
                 if expected is not None and got != expected:
                     raise ChecksumMismatchError(
-                        f"{_label()} {self.scrub.url(name)} has {got[0]} bytes and sha256 {got[1]}, but "
+                        f"{_rank_label()} {self.scrub.url(name)} has {got[0]} bytes and sha256 {got[1]}, but "
                         f"the upload manifest of {self.shown} promises {expected[0]} bytes and sha256 "
                         f"{expected[1]}: the tree changed after it was uploaded (is another upload to it "
                         f"running?). Nothing was written to {self.dest}; download again once the tree "
@@ -353,7 +353,7 @@ class _Download:
             prefix = f"{folder}/" if folder else ""
             if base == INCOMPLETE_NAME and prefix + MANIFEST_NAME not in members:
                 raise DistkitError(
-                    f"{_label()} {self.shown} holds a partial upload: {self.scrub.url(name)} marks "
+                    f"{_rank_label()} {self.shown} holds a partial upload: {self.scrub.url(name)} marks "
                     f"{folder or 'the tree'} as written by distkit.upload() without its manifest "
                     f"{MANIFEST_NAME}, so that upload failed, was killed, or is still running"
                     f"{self._describe_incomplete(fs, name)}. Nothing was written to {self.dest}. Wait for "
@@ -374,7 +374,7 @@ class _Download:
                 promised[key] = (size, sha256)
         if problems:
             raise DistkitError(
-                f"{_label()} {self.shown} does not match its upload manifest {MANIFEST_NAME}:"
+                f"{_rank_label()} {self.shown} does not match its upload manifest {MANIFEST_NAME}:"
                 f"{_problem_lines(problems)}\nThe tree changed after it was uploaded (is another upload "
                 f"to it running?). Nothing was written to {self.dest}; download again once it is complete."
             )

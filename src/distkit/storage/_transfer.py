@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from distkit import coordination, runtime
 from distkit._utils.secrets import Scrubber
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 
 T = TypeVar("T")
 
@@ -65,10 +66,6 @@ _MAX_LISTED = 20
 
 def _log() -> runtime.RankLoggerAdapter:
     return runtime.get_logger("distkit.storage")
-
-
-def _label() -> str:
-    return f"[rank {runtime.get_rank()}/{runtime.get_world_size()}]"
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -265,7 +262,7 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
     if answer is None:
         return None
     status, reason = answer
-    said = f"{_label()} {what}: the server answered HTTP {status} {reason}"
+    said = f"{_rank_label()} {what}: the server answered HTTP {status} {reason}"
     if status in (404, 410):
         if hasattr(err, "add_note"):  # Python >= 3.11; on 3.10 the error goes on without the note
             err.add_note(scrub.text(said))
@@ -297,7 +294,7 @@ def _refused_locally(err: FileNotFoundError, what: str, scrub: Scrubber) -> Base
     ):
         return None
     refused = f"{coordination._type_name(cause)}: {cause}"
-    said = f"{_label()} {what}: nothing was sent; the HTTP client refused the request ({refused})"
+    said = f"{_rank_label()} {what}: nothing was sent; the HTTP client refused the request ({refused})"
     unknown = re.search(r"unexpected keyword argument '([^']+)'", str(cause))
     if isinstance(cause, TypeError) and unknown is not None and aiohttp is not None:
         name = unknown.group(1)
@@ -334,7 +331,7 @@ def _with_retries(fn: Callable[[], T], *, what: str, scrub: Scrubber) -> T:
             if attempt >= _ATTEMPTS:
                 raise DistkitError(
                     scrub.text(
-                        f"{_label()} {what} failed after {_ATTEMPTS} attempts: {_described(err)}. "
+                        f"{_rank_label()} {what} failed after {_ATTEMPTS} attempts: {_described(err)}. "
                         f"{_advice(err)}"
                     )
                 ) from err

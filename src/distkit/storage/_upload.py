@@ -35,6 +35,7 @@ from distkit import coordination, runtime
 from distkit._utils.fs import TEMP_MARKER, atomic_open, fd_path, fsync_dir, umask_mode
 from distkit._utils.secrets import Scrubber, redact_url
 from distkit.errors import DistkitError
+from distkit.runtime import _rank_label
 from distkit.storage._transfer import (
     _CHUNK,
     _MANIFEST_FORMAT,
@@ -44,7 +45,6 @@ from distkit.storage._transfer import (
     MANIFEST_NAME,
     _check_http_credentials,
     _is_transient,
-    _label,
     _log,
     _problem_lines,
     _protocols,
@@ -114,7 +114,7 @@ class UploadHandle:
             timeout_s = coordination._check_timeout(timeout_s)
         if not self._finished.wait(timeout_s):
             raise TimeoutError(
-                f"{_label()} the upload of {self.source} to {self.dest_url} is still running after "
+                f"{_rank_label()} the upload of {self.source} to {self.dest_url} is still running after "
                 f"{timeout_s:g} s; call wait() again, or with a larger timeout_s."
             )
         if self._error is not None:
@@ -244,7 +244,7 @@ class _Upload:
             else ""
         )
         return DistkitError(
-            f"{_label()} upload of {self.source} to {self.shown} stopped at {item.rel}: {reason} after "
+            f"{_rank_label()} upload of {self.source} to {self.shown} stopped at {item.rel}: {reason} after "
             f"the tree was checked; nothing is read through a changed entry.{partial} Upload again "
             f"once nothing writes to the source any more."
         )
@@ -500,7 +500,7 @@ def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: Sc
         item = _UploadFile(root, source.name, target, _identity(os.stat(root)))
         problems = _misplaced_names(fs, [item])
         if problems:
-            raise DistkitError(f"{_label()} upload of {source} refused: {problems[0]}")
+            raise DistkitError(f"{_rank_label()} upload of {source} refused: {problems[0]}")
         return _Upload(fs, source, [item], posixpath.dirname(target), [], False, shown, scrub)
     if not root.is_dir():
         raise DistkitError(f"upload source {source} is not a regular file or a directory.")
@@ -542,7 +542,7 @@ def _plan_upload(source: Path, dest_url: str, options: dict[str, Any], scrub: Sc
     problems += _misplaced_names(fs, files)
     if problems:
         raise DistkitError(
-            f"{_label()} upload of {source} refused before writing anything: {len(problems)} "
+            f"{_rank_label()} upload of {source} refused before writing anything: {len(problems)} "
             f"entr{'y' if len(problems) == 1 else 'ies'} would read outside the source tree, cannot "
             f"be read safely, or would land elsewhere:{_problem_lines(problems)}\nRemove or rename "
             f"them, or copy what they point to into the tree."

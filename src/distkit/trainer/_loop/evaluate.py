@@ -163,7 +163,7 @@ def _agreed_batches(loader: Any) -> Iterator[tuple[int, Any]]:
             return
         if empty:  # every rank raises: one that has no batch cannot repeat one
             raise DistkitError(
-                f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] some rank has no validation "
+                f"{runtime._rank_label()} some rank has no validation "
                 f"batch of the stream while others have some; a sharded model's forward pass runs on "
                 f"every rank at once. Use a smaller val_batch_size or more validation samples."
             )
@@ -183,7 +183,7 @@ def lockstep_repeats(loader: Any) -> int:
     most, negated_least = all_reduce(torch.tensor([mine, -mine]), op="max").tolist()
     if -negated_least == 0 < most:
         raise DistkitError(
-            f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] some rank has no validation batch "
+            f"{runtime._rank_label()} some rank has no validation batch "
             f"while others have up to {most}; a sharded model's forward pass runs on every rank at "
             f"once. Use more validation samples (at least one batch per rank) or a smaller "
             f"val_batch_size."

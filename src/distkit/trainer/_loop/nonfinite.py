@@ -107,7 +107,7 @@ def skip(run: Run, why: str, ranks: list[int]) -> None:
     if len(run.nonfinite_run) >= run.trainer.max_consecutive_nonfinite:
         where = f", last on rank(s) {ranks}" if ranks else ""
         raise DistkitError(
-            f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the loss or gradients were "
+            f"{runtime._rank_label()} the loss or gradients were "
             f"non-finite (nan or inf) for {len(run.nonfinite_run)} consecutive optimizer steps "
             f"{run.nonfinite_run}{where}; every rank skipped them ({why}). Lower the learning "
             f"rate, set gradient_clip_val, check the data for nan/inf, or use "

@@ -398,7 +398,7 @@ def _shortest_epoch(mine: int | None) -> int | None:
         return mine
     if None in lengths:
         raise DistkitError(
-            f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] the ranks' training loaders give "
+            f"{runtime._rank_label()} the ranks' training loaders give "
             f"{lengths} batches (None: no length), so the ranks cannot agree where an epoch ends. "
             f"Pass the dataset itself (map-style or an IterableDataset) to have distkit split it, or "
             f"give every rank a loader of the same kind."
@@ -657,7 +657,7 @@ def _load_on_every_rank(path: str, state: Mapping[str, Any]) -> None:
     )
     errors = "; ".join(f"rank {rank}: {error}" for rank, error in failed.items()).rstrip(".")
     raise DistkitError(
-        f"[rank {runtime.get_rank()}/{runtime.get_world_size()}] resume={redact_url(str(path))!r} could "
+        f"{runtime._rank_label()} resume={redact_url(str(path))!r} could "
         f"not be read on rank(s) {sorted(failed)}: {errors}.{why}"
     )
 
