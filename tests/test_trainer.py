@@ -1393,6 +1393,30 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_in_the_same_directory(t
     assert "held the TensorBoard events of an earlier run: moved into" in caplog.text
 
 
+def test_csv_loggers_of_other_files_in_one_directory_keep_their_own_hparams(tmp_path) -> None:
+    # Was: every CSVLogger wrote <dir>/hparams.json, so a second run logging to b.csv beside a.csv
+    # replaced the first run's configuration in silence.
+    def run(filename: str, lr: float) -> CSVLogger:
+        model = SimpleModel()
+        logger = CSVLogger(tmp_path / "logs", filename=filename)
+        trainer = quiet_trainer(str(tmp_path / filename), strategy="single", max_steps=2, logger=logger)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        trainer.fit(model, RandomDataset(20, 64), optimizer=optimizer, loss_fn=nn.functional.cross_entropy)
+        return logger
+
+    first = run("a.csv", 0.1)
+    second = run("b.csv", 0.5)
+    assert first.hparams_path == tmp_path / "logs" / "a.hparams.json"
+    assert second.hparams_path == tmp_path / "logs" / "b.hparams.json"
+    assert '"lr": [\n    0.1\n  ]' in first.hparams_path.read_text()
+    assert '"lr": [\n    0.5\n  ]' in second.hparams_path.read_text()
+    assert not (tmp_path / "logs" / "hparams.json").exists()
+    # A fresh run to the same file keeps the earlier one's rows and configuration, numbered alike.
+    run("a.csv", 0.3)
+    assert '"lr": [\n    0.1\n  ]' in (tmp_path / "logs" / "a.hparams.1.json").read_text()
+    assert (tmp_path / "logs" / "a.1.csv").exists()
+
+
 def test_a_tensorboard_logger_in_the_run_directory_itself_moves_only_its_events(tmp_path) -> None:
     def run() -> None:
         model = SimpleModel()

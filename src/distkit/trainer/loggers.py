@@ -140,11 +140,10 @@ def _claim(path: Path) -> _LocalWriterLock:
     return lock
 
 
-def _keep_earlier_run(path: Path) -> None:
+def _keep_earlier_run(path: Path, hparams: Path) -> None:
     """A fresh run writing where an earlier one left its rows (a reused ``default_root_dir``
-    without checkpoints, whose reuse is refused): the earlier file and its ``hparams.json`` are
+    without checkpoints, whose reuse is refused): the earlier file and its ``hparams`` file are
     kept under the first free suffix (``metrics.1.csv``, ``hparams.1.json``), not overwritten."""
-    hparams = path.parent / "hparams.json"
     if not path.exists():
         return
     with open(path, newline="") as handle:
@@ -157,11 +156,11 @@ def _keep_earlier_run(path: Path) -> None:
     if hparams.exists():
         os.replace(hparams, hparams.with_suffix(f".{number}.json"))
     _log.warning(
-        "%s held the metrics of an earlier run in this directory: kept as %s (and its hparams.json "
-        "beside it); this run writes a new %s. Give each run its own default_root_dir to keep them "
-        "apart.",
+        "%s held the metrics of an earlier run in this directory: kept as %s (and its %s beside "
+        "it); this run writes a new %s. Give each run its own default_root_dir to keep them apart.",
         path,
         kept.name,
+        hparams.name,
         path.name,
     )
 
@@ -193,9 +192,10 @@ class CSVLogger(Logger):
 
     Local (main process only). The file is rewritten atomically whenever a new metric name adds a
     column, so a reader never sees a half-written header; ``hparams.json`` beside it holds the run's
-    configuration. A fresh ``fit`` starts a new file (an earlier run's is kept as ``metrics.1.csv``,
-    with a warning); a resumed one keeps the rows up to the resumed step and drops the rest (they
-    belong to the interrupted attempt).
+    configuration (``<name>.hparams.json`` for a ``filename`` other than ``metrics.csv``, so that
+    loggers of other files in one directory keep theirs). A fresh ``fit`` starts a new file (an
+    earlier run's is kept as ``metrics.1.csv``, with a warning); a resumed one keeps the rows up to
+    the resumed step and drops the rest (they belong to the interrupted attempt).
 
     Args:
         save_dir: Directory of the files; ``None`` means the Trainer's ``default_root_dir``.
@@ -203,6 +203,7 @@ class CSVLogger(Logger):
 
     Attributes:
         path: The CSV file, once ``fit`` has started.
+        hparams_path: The run's configuration beside it (JSON), once ``fit`` has started.
 
     Example:
         >>> import distkit
@@ -218,6 +219,7 @@ class CSVLogger(Logger):
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.filename = filename
         self.path: Path | None = None
+        self.hparams_path: Path | None = None
         self._columns: list[str] = []
         self._rows: list[dict[str, Any]] = []
         # The resumed step and its kept rows by their names: a row the resumed run logs again there
@@ -229,6 +231,8 @@ class CSVLogger(Logger):
         directory = self.save_dir or save_dir
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / self.filename
+        stem = "hparams" if self.filename == "metrics.csv" else f"{Path(self.filename).stem}.hparams"
+        self.hparams_path = directory / f"{stem}.json"
         self._lock = _claim(self.path)
         self._rows = []
         self._columns = ["step"]
@@ -241,13 +245,14 @@ class CSVLogger(Logger):
             at_step = {_names(row): row for row in self._rows if int(row["step"]) == resume_step}
             self._resumed = (resume_step, at_step)
         elif resume_step is None:
-            _keep_earlier_run(self.path)
+            _keep_earlier_run(self.path, self.hparams_path)
         self._rewrite()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         assert self.path is not None, "setup() runs first"  # the Trainer's call order
         text = json.dumps(plain_params(params), indent=2, sort_keys=True)
-        with atomic_open(self.path.parent / "hparams.json", mode=FILE_MODE) as handle:
+        assert self.hparams_path is not None
+        with atomic_open(self.hparams_path, mode=FILE_MODE) as handle:
             handle.write(text.encode())
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
