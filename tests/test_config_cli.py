@@ -727,6 +727,41 @@ def test_a_resume_path_where_nothing_exists_stops_with_exit_2_naming_the_path_an
     assert cli.trainer.current_epoch == 2
 
 
+def test_a_resume_path_of_a_run_or_its_checkpoints_directory_names_the_options_that_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Was: ForeignCheckpointError's traceback from fit's restore, exit status 1, naming Python calls
+    # (Trainer(resume=...), CheckpointManager(...).restore(state)).
+    make_cli(run_args(tmp_path), run=True)
+    last = max(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    for given in (tmp_path / "checkpoints", tmp_path):
+        err = cli_error(run_args(tmp_path / "other", "--trainer.resume", str(given)), capsys)
+        assert f"trainer.resume: {given} is not one checkpoint: it is a " in err, err
+        assert f"--trainer.resume {tmp_path}/checkpoints/{last}, or continue that run with " in err
+        assert f"--trainer.default_root_dir {tmp_path} --trainer.resume auto" in err
+        assert "Trainer(" not in err and "restore(state)" not in err
+    assert not (tmp_path / "other").exists()  # nothing was trained
+    # A CheckpointManager directory of one's own (not a run's): no run to continue.
+    (tmp_path / "checkpoints").rename(tmp_path / "saves")
+    err = cli_error(run_args(tmp_path / "other", "--trainer.resume", str(tmp_path / "saves")), capsys)
+    assert f"--trainer.resume {tmp_path}/saves/{last} (`distkit checkpoint list {tmp_path}/saves`" in err
+    assert "continue that run" not in err
+    # Another tool's checkpoint: the command that converts it, then the option.
+    accelerate = tmp_path / "accelerate"
+    accelerate.mkdir()
+    (accelerate / "model.safetensors").write_bytes(b"")
+    (accelerate / "optimizer.bin").write_bytes(b"")
+    err = cli_error(run_args(tmp_path / "other", "--trainer.resume", str(accelerate)), capsys)
+    assert f"`distkit checkpoint import {accelerate} DEST`, then give --trainer.resume DEST." in err, err
+    # A torch.distributed.checkpoint directory is no slip: fit loads it as it is.
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group says it assumes one process
+        dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "dcp"))
+    make_cli(run_args(tmp_path / "other", "--trainer.resume", str(tmp_path / "dcp")))
+
+
 def test_resume_auto_without_a_checkpoint_starts_fresh_with_the_changed_model(tmp_path: Path) -> None:
     # A first run that saved no checkpoint left only its config.yaml: nothing to continue.
     make_cli(run_args(tmp_path, "--trainer.enable_checkpointing", "false"), run=True)

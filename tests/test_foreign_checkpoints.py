@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import struct
@@ -512,7 +513,9 @@ def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_it
     with pytest.raises(ForeignCheckpointError) as caught:
         distkit.load_checkpoint(directory, state)
     message = str(caught.value)
-    assert caught.value.kind == "manager", message
+    assert caught.value.kind == "manager" and caught.value.suggested == newest, message
+    again = pickle.loads(pickle.dumps(caught.value))  # as it crosses to the other ranks
+    assert (str(again), again.suggested, again.kind) == (message, newest, "manager")
     assert message.startswith(
         f"{directory} is not one checkpoint: it is a CheckpointManager directory holding 2 step "
         f"checkpoint(s) (step_000000009, step_000000010)"
@@ -548,6 +551,7 @@ def test_a_checkpoint_manager_directory_given_as_one_checkpoint_is_named_with_it
         distkit.load_checkpoint(tmp_path, state)
     message = str(caught.value)
     assert caught.value.kind == "manager" and caught.value.path == str(tmp_path), message
+    assert caught.value.suggested == newest, message
     assert message.startswith(
         f"{tmp_path} is not one checkpoint: it looks like a Trainer run directory (checkpoints, "
         f"checkpoints.distkit-lock, metrics.csv) whose checkpoints are in {directory}, 2 step checkpoint(s)"

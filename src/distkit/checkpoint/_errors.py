@@ -60,6 +60,8 @@ class ForeignCheckpointError(DistkitError):
         layout: The same, in words, e.g. ``"an Accelerate save_state directory (model.safetensors,
             optimizer.bin)"``.
         fix: How to load or convert it.
+        suggested: For a :class:`CheckpointManager` directory (``kind == "manager"``), the checkpoint
+            to pass instead (its highest complete step's); ``None`` otherwise.
 
     Example:
         >>> try:  # doctest: +SKIP
@@ -71,7 +73,16 @@ class ForeignCheckpointError(DistkitError):
     # Public as distkit.checkpoint.ForeignCheckpointError: tracebacks and pickles say so.
     __module__ = "distkit.checkpoint"
 
-    def __init__(self, path: str, kind: str, layout: str, fix: str, *, message: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        kind: str,
+        layout: str,
+        fix: str,
+        *,
+        message: str | None = None,
+        suggested: str | None = None,
+    ) -> None:
         path = redact_url(path)
         said = fix if fix.startswith("distkit") else fix[:1].upper() + fix[1:]
         super().__init__(message or f"{path} is not a distkit checkpoint: it looks like {layout}. {said}.")
@@ -79,13 +90,16 @@ class ForeignCheckpointError(DistkitError):
         self.kind = kind
         self.layout = layout
         self.fix = fix
+        self.suggested = suggested
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _rebuild_foreign, (self.path, self.kind, self.layout, self.fix, str(self))
+        return _rebuild_foreign, (self.path, self.kind, self.layout, self.fix, str(self), self.suggested)
 
 
-def _rebuild_foreign(path: str, kind: str, layout: str, fix: str, message: str) -> ForeignCheckpointError:
-    return ForeignCheckpointError(path, kind, layout, fix, message=message)
+def _rebuild_foreign(
+    path: str, kind: str, layout: str, fix: str, message: str, suggested: str | None = None
+) -> ForeignCheckpointError:
+    return ForeignCheckpointError(path, kind, layout, fix, message=message, suggested=suggested)
 
 
 class CheckpointConflictError(DistkitError):

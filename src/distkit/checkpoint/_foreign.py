@@ -181,14 +181,14 @@ def _manager_directory(
     if run is None:
         layout = f"a CheckpointManager directory holding {holding}"
         message = f"{shown} is not one checkpoint: it is {layout}. {fix[:1].upper()}{fix[1:]}."
-        return ForeignCheckpointError(path, "manager", layout, fix, message=message)
+        return ForeignCheckpointError(path, "manager", layout, fix, message=message, suggested=newest)
     given, given_names = redact_url(run[0]), run[1]
     layout = (
         f"a Trainer run directory ({_shown_names(given_names)}) whose checkpoints are in {shown}, {holding}"
     )
     fix += f"; Trainer(default_root_dir={given!r}, resume='auto') continues that run"
     message = f"{given} is not one checkpoint: it looks like {layout}. {fix[:1].upper()}{fix[1:]}."
-    return ForeignCheckpointError(run[0], "manager", layout, fix, message=message)
+    return ForeignCheckpointError(run[0], "manager", layout, fix, message=message, suggested=newest)
 
 
 def _pickle_strings(path: str) -> set[str] | None:

@@ -21,6 +21,7 @@ import importlib
 import inspect
 import io
 import os
+import posixpath
 import sys
 import tempfile
 import warnings
@@ -40,6 +41,7 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
 
 from distkit import runtime
 from distkit._utils.secrets import Scrubber, redact_url
+from distkit.checkpoint._errors import ForeignCheckpointError
 from distkit.seeding import seed_everything
 from distkit.trainer.config import errors as _config_errors, loader as _config_loader
 from distkit.trainer.trainer import Trainer
@@ -482,7 +484,7 @@ def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
     """Why ``trainer.resume`` names no checkpoint (a path or URL where nothing exists, or a URL
     distkit cannot read), or ``None``. The Trainer finds it only in ``fit``, after the process group
     and the loaders are up, as a ``FileNotFoundError`` traceback; a config's slip is said before."""
-    from distkit.checkpoint._files import _missing_hint, _storage_for
+    from distkit.checkpoint._files import _missing_hint, _read_manifest, _storage_for
 
     if resume is None or resume == "auto":
         return None
@@ -501,7 +503,12 @@ def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
         return None
     try:
         if storage.kind(path) is not None:
+            _read_manifest(storage, path)  # the restore's first read: no checkpoint is refused here
             return None
+    except ForeignCheckpointError as err:
+        if err.kind == "dcp":
+            return None  # a torch.distributed.checkpoint directory: fit loads it as it is
+        return f"trainer.resume: {_resume_not_one_checkpoint(err, resume)} {where}"
     except Exception:  # a store that cannot be asked now (credentials, network): the restore says why
         return None
     return (
@@ -509,6 +516,37 @@ def _missing_resume(resume: str | None, argv: list[str]) -> str | None:
         f"{_missing_hint(resume)} Give --trainer.resume auto to continue the newest checkpoint in "
         f"trainer.default_root_dir (a fresh start when it holds none), or the path of an existing "
         f"checkpoint (`distkit checkpoint list DIRECTORY` lists a directory's checkpoints). {where}"
+    )
+
+
+def _resume_not_one_checkpoint(err: ForeignCheckpointError, resume: str) -> str:
+    """``err`` (trainer.resume names no distkit checkpoint) said with the command line's options: a
+    run's checkpoint directory, or the run directory itself, is continued by ``--trainer.resume
+    auto`` with that run's ``--trainer.default_root_dir``; one checkpoint is given by its path;
+    another tool's checkpoint is converted by ``distkit checkpoint import`` first."""
+    if err.kind in ("accelerate", "lightning"):
+        return (
+            f"{err.path} is not a distkit checkpoint: it looks like {err.layout}. Convert it once: "
+            f"`distkit checkpoint import {err.path} DEST`, then give --trainer.resume DEST."
+        )
+    if err.kind != "manager" or err.suggested is None:
+        return str(err)
+    manager = posixpath.dirname(err.suggested)
+    if manager.rstrip("/") != err.path.rstrip("/"):
+        run: str | None = err.path  # the run directory was given: its checkpoints are inside
+    elif posixpath.basename(manager.rstrip("/")) == "checkpoints":
+        run = posixpath.dirname(manager.rstrip("/")) or "."
+    else:
+        run = None  # a CheckpointManager directory of the user's own
+    continues = (
+        f", or continue that run with --trainer.default_root_dir {run} --trainer.resume auto"
+        if run is not None
+        else ""
+    )
+    return (
+        f"{redact_url(resume)} is not one checkpoint: it is {err.layout}. Give one of them, e.g. the "
+        f"highest complete step's, --trainer.resume {err.suggested}{continues} (`distkit checkpoint "
+        f"list {manager}` lists them)."
     )
 
 
