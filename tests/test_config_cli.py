@@ -879,6 +879,26 @@ def test_a_string_value_that_reads_as_yaml_is_a_value_not_a_config_with_duplicat
     assert named_cli(["--model.name", "{epoch, epoch}"]).model.name == "{epoch, epoch}"
 
 
+def test_a_boolean_word_for_a_text_option_is_named_with_the_quotes_that_keep_it_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  hidden: 4\n  name: off\n")
+    # Was: "model.name: expected str, got 'False'": a value the file does not hold.
+    with pytest.raises(SystemExit) as exit_info:
+        named_cli(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert f"model.name in {config} (line 3) is off unquoted, which YAML reads as the boolean false" in err
+    assert 'Quote it for the text: name: "off".' in err and "'False'" not in err, err
+    config.write_text('model:\n  hidden: 4\n  name: "off"\n')
+    assert named_cli(["--config", str(config)]).model.name == "off"
+    assert named_cli(["--model.name", "yes"]).model.name == "yes"  # the command line keeps text
+    # A boolean option takes the word as YAML means it.
+    config.write_text("model:\n  hidden: 4\ntrainer:\n  enable_checkpointing: no\n")
+    assert named_cli(["--config", str(config)]).run_config["trainer"]["enable_checkpointing"] is False
+
+
 def test_a_config_read_from_a_pipe_is_read_by_the_parser_whole(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,7 +7,11 @@ config means otherwise than it says. Local.
   would use the text itself (a directory named ``${SCRATCH}``). distkit does not expand variables
   either: what a config says is what runs, and ``config.yaml`` records it.
 
-Both are refused naming the key, the file and the line. :func:`check_command_line` checks the files a
+- **A YAML 1.1 boolean word for a text option** (``model.activation: on``, ``name: no``): PyYAML
+  reads ``yes``/``no``/``on``/``off`` unquoted as true and false, which jsonargparse refuses as
+  "expected str, got 'True'", a value the file does not hold.
+
+Each is refused naming the key, the file and the line. :func:`check_command_line` checks the files a
 command line names (``--config run.yaml``, a section's own file: ``--data data.yaml``, or
 ``trainer: trainer.yaml`` in a config file) before jsonargparse reads them, naming each key in
 full; the loader registered by :func:`parser_mode` checks every YAML text jsonargparse loads for
@@ -22,7 +26,7 @@ import importlib
 import os
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from distkit.trainer.config.errors import config_files, shown
 
@@ -35,6 +39,7 @@ MODE = "distkit_yaml"
 _VARIABLE = re.compile(r"\$\{[^{}\s]+\}|\$[A-Za-z_]\w*")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _STR_TAG = "tag:yaml.org,2002:str"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
 
 
 class ConfigRefused(Exception):
@@ -105,12 +110,12 @@ def check_command_line(
     ``config.yaml`` or ``--print_config`` holds it. Local."""
     sections = set(sections)
     defaults = defaults or {}
+    text = set(text_options)
     check_arguments(argv, defaults)
     for path in config_files(argv):
-        check_file(path, defaults=defaults)
+        check_file(path, defaults=defaults, text_options=text)
         for section, nested in _section_files(path, sections):
-            check_file(nested, prefix=section, defaults=defaults)
-    text = set(text_options)
+            check_file(nested, prefix=section, defaults=defaults, text_options=text)
     for index, argument in enumerate(argv):
         option, equals, value = argument.partition("=")
         if not option.startswith("--") or option in ("--config", "--print_config"):
@@ -125,10 +130,17 @@ def check_command_line(
             check_text(value, where="a value on the command line", prefix=key, variables=False)
 
 
-def check_file(path: str, *, prefix: str = "", defaults: Mapping[str, Any] | None = None) -> None:
+def check_file(
+    path: str,
+    *,
+    prefix: str = "",
+    defaults: Mapping[str, Any] | None = None,
+    text_options: Iterable[str] = (),
+) -> None:
     """Refuse a duplicate key or a ``${NAME}`` in the YAML file at ``path``, whose keys are under
-    ``prefix`` (``data`` for ``--data data.yaml``), or a file that is not UTF-8 text
-    (:class:`ConfigRefused`); a file that cannot be read or is not YAML is left to the caller. Local."""
+    ``prefix`` (``data`` for ``--data data.yaml``), a boolean word for one of the ``text_options``,
+    or a file that is not UTF-8 text (:class:`ConfigRefused`); a file that cannot be read or is not
+    YAML is left to the caller. Local."""
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -139,7 +151,7 @@ def check_file(path: str, *, prefix: str = "", defaults: Mapping[str, Any] | Non
         ) from None
     except OSError:
         return
-    check_text(text, where=path, prefix=prefix, defaults=defaults)
+    check_text(text, where=path, prefix=prefix, defaults=defaults, text_options=text_options)
 
 
 def _section_files(path: str, sections: set[str]) -> list[tuple[str, str]]:
@@ -194,10 +206,12 @@ def check_text(
     prefix: str = "",
     defaults: Mapping[str, Any] | None = None,
     variables: bool = True,
+    text_options: Iterable[str] = (),
 ) -> None:
     """Raise :class:`ConfigRefused` for the first duplicate key of the YAML ``text`` (from ``where``,
     a file; its keys under ``prefix``), or with ``variables`` its first ``${NAME}`` value that is not
-    its key's default in ``defaults``; YAML that does not parse is left to the loader. Local."""
+    its key's default in ``defaults``, or a boolean word (``yes``, ``off``) given for one of the
+    ``text_options``; YAML that does not parse is left to the loader. Local."""
     import yaml
 
     try:
@@ -205,7 +219,16 @@ def check_text(
     except yaml.YAMLError:
         return
     if node is not None:
-        _walk(node, prefix, where, (defaults or {}) if variables else None, set())
+        checks = _Checks((defaults or {}) if variables else None, frozenset(text_options))
+        _walk(node, prefix, where, checks, set())
+
+
+class _Checks(NamedTuple):
+    """What :func:`_walk` checks besides duplicate keys: ``${NAME}`` values unless they are their
+    key's default (``defaults``; ``None``: not looked for), and boolean words for ``text`` options."""
+
+    defaults: Mapping[str, Any] | None
+    text: frozenset[str]
 
 
 def _variable_in(value: str) -> str | None:
@@ -228,8 +251,8 @@ def _is_default(key: str, value: Any, defaults: Mapping[str, Any]) -> bool:
     return False
 
 
-def _walk(node: Any, key: str, where: str, defaults: Mapping[str, Any] | None, seen: set[int]) -> None:
-    """Check ``node`` and what is under it; with ``defaults`` None, for duplicate keys only."""
+def _walk(node: Any, key: str, where: str, checks: _Checks, seen: set[int]) -> None:
+    """Check ``node`` and what is under it."""
     import yaml
 
     if id(node) in seen:  # an alias of a node already checked
@@ -246,15 +269,22 @@ def _walk(node: Any, key: str, where: str, defaults: Mapping[str, Any] | None, s
                     earlier = first_line[pair]
                     raise ConfigRefused(_duplicate(_join(key, name), where, earlier, line, section=section))
                 first_line[pair] = line
-            _walk(value_node, _join(key, name), where, defaults, seen)
+            _walk(value_node, _join(key, name), where, checks, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, f"{key}[{index}]", where, defaults, seen)
-    elif defaults is not None and isinstance(node, yaml.ScalarNode) and node.tag == _STR_TAG:
+            _walk(item, f"{key}[{index}]", where, checks, seen)
+    elif checks.defaults is not None and isinstance(node, yaml.ScalarNode) and node.tag == _STR_TAG:
         found = _variable_in(str(node.value))
-        if found is not None and not _is_default(key, str(node.value), defaults):
+        if found is not None and not _is_default(key, str(node.value), checks.defaults):
             line = node.start_mark.line + 1
             raise ConfigRefused(_variable(key, str(node.value), found, where, line))
+    elif (
+        isinstance(node, yaml.ScalarNode)
+        and node.tag == _BOOL_TAG
+        and str(node.value).lower() not in ("true", "false")
+        and key.replace(".init_args.", ".") in checks.text
+    ):
+        raise ConfigRefused(_boolean_word(key, str(node.value), where, node.start_mark.line + 1))
 
 
 def _join(key: str, name: str) -> str:
@@ -278,6 +308,15 @@ def _variable(key: str, value: str, variable: str, where: str, line: int) -> str
         f"in a config file (distkit expands no variables: what the file says is what runs), so the run "
         f"would use that text as it is. Write the value out in the file, or take it out of the file and "
         f'give it on the command line, where the shell expands it: --{option} "{_shell(value, variable)}".'
+    )
+
+
+def _boolean_word(key: str, word: str, where: str, line: int) -> str:
+    meant = "true" if word.lower() in ("yes", "on") else "false"
+    name = key.rpartition(".")[2]
+    return (
+        f"{key} in {where} (line {line}) is {word} unquoted, which YAML reads as the boolean {meant}, "
+        f'not as text, and this option takes text. Quote it for the text: {name}: "{word}".'
     )
 
 
