@@ -356,6 +356,56 @@ def train_poisoned(
     return {"skipped": trainer.skipped_steps, "weights": record.weights, "steps": trainer.global_step}
 
 
+class _StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_the_lean_step_of_a_world_of_one_trains_as_the_general_step(tmp_path) -> None:
+    # epoch.py takes a lean way through the steps of a world of one (a model with loss_fn, nothing
+    # timed, no clipping; issue 29). profiler="simple" times the phases, which takes the general
+    # way: both must give the same losses, weights, learning rates, skipped steps and stop.
+    dataset = RandomDataset(20, 256)
+    dataset.data[70] = math.nan  # the third batch's loss is non-finite: that step is skipped
+
+    def fit(**options: object) -> tuple[RecordLosses, nn.Module, Trainer]:
+        torch.manual_seed(0)
+        model = SimpleModel()
+        record = RecordLosses()
+        trainer = quiet_trainer(
+            str(tmp_path / str(len(options))),
+            strategy="single",
+            max_epochs=3,
+            log_every_n_steps=4,
+            callbacks=[record, _StopAt(17)],
+            **options,
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trainer.fit(
+            model,
+            DataLoader(dataset, batch_size=32),
+            optimizer=optimizer,
+            lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5),
+            loss_fn=nn.functional.cross_entropy,
+        )
+        return record, model, trainer
+
+    lean, lean_model, lean_trainer = fit()
+    general, general_model, general_trainer = fit(profiler="simple")
+    assert lean_trainer.global_step == general_trainer.global_step == 17
+    assert lean_trainer.skipped_steps == general_trainer.skipped_steps == 2  # step 3 of each epoch
+    assert len(lean.losses) == 17 and math.isnan(lean.losses[2]) and math.isnan(general.losses[2])
+    assert torch.equal(torch.tensor(lean.losses).nan_to_num(), torch.tensor(general.losses).nan_to_num())
+    assert all(torch.equal(a, b) for a, b in zip(lean.weights, general.weights, strict=True))
+    assert torch.equal(flat_weights(lean_model), flat_weights(general_model))
+    assert lean_trainer.optimizer.param_groups[0]["lr"] == general_trainer.optimizer.param_groups[0]["lr"]
+    assert lean_trainer.callback_metrics == general_trainer.callback_metrics
+
+
 @pytest.mark.parametrize(
     "model_class",
     [PoisonedModel, WideBiasPoisonedModel, NoBiasPoisonedModel],

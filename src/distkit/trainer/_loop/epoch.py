@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from distkit import runtime
 from distkit.data import StreamLoader
@@ -17,7 +17,14 @@ from distkit.data._loader import _DatasetResized
 from distkit.errors import DistkitError
 from distkit.trainer._loop import evaluate as _evaluate, logs as _logs
 from distkit.trainer._loop.batches import length, to_device
-from distkit.trainer._loop.step import _mean_over_devices, optimizer_step, schedule_events
+from distkit.trainer._loop.step import (
+    _mean_over_devices,
+    _step_end_events,
+    _StepModule,
+    _stops_now,
+    optimizer_step,
+    schedule_events,
+)
 
 if TYPE_CHECKING:
     from distkit.trainer._run import Run
@@ -117,11 +124,60 @@ def run_epoch(run: Run) -> None:
     micro_sum = 0.0
     exhausted = False
     # This rank's time per phase (distkit.stragglers.PHASES: data, forward, backward; optimizer_step
-    # adds the optimizer's): four perf_counter reads and additions, about 1 us a step. Host times,
-    # no device sync; what is between the steps (validation, callbacks, logging) is no phase's.
-    sums, clock = run.timer.sums, time.perf_counter
+    # adds the optimizer's): four clock reads and additions a step (none where no one reads the
+    # phases: run.clock). Host times, no device sync; what is between the steps (validation,
+    # callbacks, logging) is no phase's.
+    sums, clock = run.timer.sums, run.clock
+    # The plain step of a world of one (below): its step module, model and loss function.
+    lean = _lean_parts(run) if world_of_one and accumulate == 1 and plain and not per_device else None
+    step_module, lean_model, lean_loss = lean or (None, None, None)
+    optimizer, every_step = run.optimizer, run.every_step_callbacks
+    step_scheduler = run.lr_scheduler is not None and run.scheduler_interval == "step"
     mark = clock()
     for batch_idx, batch in enumerate(iterator, start=first):
+        if step_module is not None and step_module.checked:
+            # A world of one, a model with loss_fn, one batch a step, nothing timed, no clipping:
+            # the step a hand-written loop takes, and optimizer_step's outcome for a finite one.
+            # Each line the interpreter runs between the backward pass and the next forward costs
+            # several times its warm time: this way takes 2 to 5 % less time a step on the guard's
+            # one-process model (issue 29; benchmarks/bench_trainer_guard.py --checks single).
+            if move:
+                batch = to_device(batch, device)
+            inputs, target = batch
+            loss = lean_loss(lean_model(inputs), target)  # type: ignore[misc]
+            value = loss.item()
+            run.batches_done = batch_idx + 1
+            if math.isfinite(value):
+                loss.backward()
+                # optimizer_step's outcome for a finite step, inline (a call a step less): keep
+                # the two alike (tests/test_trainer.py compares them bitwise).
+                if run.nonfinite_run:
+                    run.nonfinite_run.clear()
+                run.window_sum += value
+                run.window_count += 1
+                run.epoch_sum += value
+                run.epoch_count += 1
+                optimizer.step()
+                if step_scheduler:
+                    run.lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step = run.global_step = run.global_step + 1
+                if step >= run.next_event:
+                    if _step_end_events(run, loss, False):
+                        break
+                    continue
+                if every_step:
+                    detached = loss.detach()
+                    for cb in every_step:
+                        cb.on_train_step_end(run.trainer, detached)
+                if (run.job_preempt or run.request_stop) and _stops_now(run):
+                    break
+                continue
+            poison(precision.backward, loss, params)
+            run.poisoned = True
+            if optimizer_step(run, loss.detach() if detach else loss, value, 1):
+                break
+            continue
         if move:
             batch = to_device(batch, device)
         now = clock()
@@ -191,6 +247,25 @@ def run_epoch(run: Run) -> None:
     del iterator
     # The pass is over, so the loader has moved on by itself: nothing more to give back.
     run.given_back = 0
+
+
+def _lean_parts(run: Run) -> tuple[_StepModule, nn.Module, Callable[..., torch.Tensor]] | None:
+    """The step module, model and loss function of a fit whose finite steps the loop's lean step
+    can take (a model with ``loss_fn``, no phase times read, no gradient clipping, a strategy that
+    acts in no step: a world of one), else ``None``. The step module's first step still goes its own way
+    (its checks of the batch and the loss)."""
+    wrapped, strategy = run.wrapped, run.strategy
+    if (
+        type(wrapped) is not _StepModule  # not wrapped: FSDP's or compile's class would be a subclass
+        or wrapped.convention != "loss_fn"
+        or run.stragglers is not None
+        or run.trainer.gradient_clip_val is not None
+        or strategy.syncs_buffers
+        or strategy.step_state
+    ):
+        return None
+    loss_fn = wrapped.__dict__.get("loss_fn") or wrapped._modules["loss_fn"]
+    return wrapped, wrapped._modules["module"], loss_fn  # type: ignore[return-value]
 
 
 def _epoch_end(loader: Any, iterator: Iterable[Any]) -> tuple[Iterable[Any], Callable[[], bool]]:

@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -167,10 +168,13 @@ def setup(
         val_every=val_every,
         val_steps_in_epoch=val_steps_in_epoch,
     )
-    if trainer.straggler_margin is not None or trainer.profiler == "simple":
-        # margin=inf: the phases are compared (for the profile), nobody is named.
+    if (trainer.straggler_margin is not None and run.world_size > 1) or trainer.profiler == "simple":
+        # margin=inf: the phases are compared (for the profile), nobody is named. A world of one
+        # has no rank to compare: without the profile no one reads its phase times, and the loop
+        # reads no clock for them (epoch.py).
         margin = math.inf if trainer.straggler_margin is None else trainer.straggler_margin
         run.stragglers = StragglerDetector(margin=margin)
+        run.clock = time.perf_counter
     on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
     schedules.apply_scaling(run)
