@@ -303,6 +303,11 @@ def test_an_out_that_is_a_file_is_named_as_such(tmp_path: Path, capsys: pytest.C
         (["env", "--jsn"], "usage: distkit env ", "unrecognized arguments: --jsn; did you mean --json?"),
         (["bench", "--stesp", "5"], "usage: distkit bench ", "--stesp 5; did you mean --steps?"),
         (["checkpoint", "list", ".", "--verfy"], "usage: distkit checkpoint list ", "did you mean --verify?"),
+        # A subcommand or a choice misspelt (was: the choices alone).
+        (["chekpoint", "list", "."], "usage: distkit ", "invalid choice: 'chekpoint'"),
+        (["chekpoint", "list", "."], "usage: distkit ", "; did you mean 'checkpoint'?"),
+        (["checkpoint", "lsit", "."], "usage: distkit checkpoint ", "; did you mean 'list'?"),
+        (["bench", "--strategies", "dpp"], "usage: distkit bench ", "; did you mean 'dp' or 'ddp'?"),
     ],
 )
 def test_a_flag_slip_is_told_by_its_subcommand_with_the_closest_flag(

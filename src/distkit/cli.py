@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -303,14 +304,27 @@ class _Counts(argparse.Action):
         namespace.world_sizes_flag = option_string
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, naming the closest choice to a misspelt subcommand or choice (Python
+    3.11's argparse lists the choices only: ``distkit chekpoint``)."""
+
+    def error(self, message: str) -> NoReturn:
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if found:
+            choices = re.findall(r"'([^']*)'", found.group(2))
+            # Two at most: a slip can be as near to two choices ('dpp': 'dp' and 'ddp').
+            close = difflib.get_close_matches(found.group(1), choices, n=2, cutoff=0.6)
+            if close:
+                message += f"; did you mean {' or '.join(map(repr, close))}?"
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     # Nothing here may import torch: `distkit --help` and `distkit --version` must answer at once.
     from distkit._version import __version__
     from distkit.bench._names import PRESET_NAMES, STRATEGIES
 
-    parser = argparse.ArgumentParser(
-        prog="distkit", description="distkit: distributed PyTorch, checked and measured."
-    )
+    parser = _Parser(prog="distkit", description="distkit: distributed PyTorch, checked and measured.")
     parser.add_argument("--version", action="version", version=f"distkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{env,bench,checkpoint}")
 
