@@ -951,6 +951,14 @@ def test_a_misspelt_http_storage_option_is_named_with_the_one_meant(
         distkit.download(
             http_server.url("/missing.bin"), tmp_path / "m.bin", storage_options={"headers": header}
         )
+    # An upload's request: aiohttp's own TypeError (was: "ClientSession._request() got an unexpected
+    # keyword argument 'header'", naming no storage option).
+    (tmp_path / "a.txt").write_bytes(b"a")
+    with pytest.raises(TypeError) as up:
+        distkit.upload(tmp_path / "a.txt", http_server.url("/a.txt"), storage_options={"header": header})
+    said = str(up.value)
+    assert "uploading to" in said and "storage_options['header'] is no option" in said, said
+    assert "Did you mean 'headers'?" in said and SECRET not in _everything_shown(up.value)
 
 
 # -- the example ----------------------------------------------------------------------------------

@@ -253,9 +253,11 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
     """A ``FileNotFoundError`` that stands for an HTTP answer other than 404/410 (see
     :func:`_http_answer`), as the error that answer means; ``None`` to raise ``err`` as it is. A
     404 or 410 stays a ``FileNotFoundError`` and gets a note naming the status."""
+    if isinstance(err, TypeError) and _raised_in_aiohttp(err):
+        return _refused_locally(err, what, scrub)  # an upload's request: aiohttp's error as it is
     if not isinstance(err, FileNotFoundError):
         return None
-    unsent = _refused_locally(err, what, scrub)
+    unsent = _refused_locally(err.__cause__, what, scrub)
     if unsent is not None:
         return unsent
     answer = _http_answer(err)
@@ -283,11 +285,19 @@ def _http_failure(err: BaseException, what: str, scrub: Scrubber) -> BaseExcepti
     )
 
 
-def _refused_locally(err: FileNotFoundError, what: str, scrub: Scrubber) -> BaseException | None:
-    """The error meant by fsspec's ``FileNotFoundError(url)`` when the HTTP client refused to send
-    the request at all (a ``TypeError`` or ``ValueError`` raised before anything went out: an
-    option it does not take, credentials in two places); ``None`` for any other failure."""
-    cause = err.__cause__
+def _raised_in_aiohttp(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside aiohttp (its innermost frame is aiohttp's)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}aiohttp{os.sep}" in tb.tb_frame.f_code.co_filename
+
+
+def _refused_locally(cause: BaseException | None, what: str, scrub: Scrubber) -> BaseException | None:
+    """The error meant when the HTTP client refused to send a request at all: ``cause``, a
+    ``TypeError`` or ``ValueError`` raised before anything went out (an option it does not take,
+    credentials in two places), which fsspec reports as ``FileNotFoundError(url)`` when it looks a
+    file up; ``None`` for any other ``cause``."""
     aiohttp = sys.modules.get("aiohttp")
     if not isinstance(cause, (TypeError, ValueError)) or (
         aiohttp is not None and isinstance(cause, aiohttp.ClientError)
