@@ -179,10 +179,6 @@ class Run:
     # the ranks' times at logging steps (None: neither the straggler report nor profiler="simple").
     timer: StepTimer = field(default_factory=StepTimer)
     stragglers: StragglerDetector | None = None
-    # What the loop reads the phases' times with: time.perf_counter where someone reads them
-    # (stragglers set), else float, whose 0.0 reads no clock (six reads a step cost about 2 % of
-    # an overhead-bound step in one process, far more than a warm perf_counter; issue 29).
-    clock: Callable[[], float] = float
 
     def finished(self) -> bool:
         """Whether ``max_steps`` or ``max_epochs`` is reached."""

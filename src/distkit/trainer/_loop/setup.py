@@ -9,7 +9,6 @@ import inspect
 import math
 import os
 import re
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -170,11 +169,10 @@ def setup(
     )
     if (trainer.straggler_margin is not None and run.world_size > 1) or trainer.profiler == "simple":
         # margin=inf: the phases are compared (for the profile), nobody is named. A world of one
-        # has no rank to compare: without the profile no one reads its phase times, and the loop
-        # reads no clock for them (epoch.py).
+        # has no rank to compare: without the profile no one reads its phase times (and its loop
+        # may take the lean step, epoch.py).
         margin = math.inf if trainer.straggler_margin is None else trainer.straggler_margin
         run.stragglers = StragglerDetector(margin=margin)
-        run.clock = time.perf_counter
     on_run(run)
     # After the loaders: a factory may read trainer.steps_per_epoch and trainer.total_steps.
     schedules.apply_scaling(run)

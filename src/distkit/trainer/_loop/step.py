@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +154,7 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
     """Take, skip or discard the optimizer step after the last micro-batch; True when training
     stops now. ``loss``/``value``: this rank's loss of the step (mean over its micro-batches);
     ``loss`` is detached when ``run.every_step_callbacks`` get it (epoch.py), else perhaps not."""
-    start = run.clock()  # the optimizer phase (distkit.stragglers), to zero_grad
+    start = time.perf_counter()  # the optimizer phase (distkit.stragglers), to zero_grad
     precision, optimizer, strategy = run.precision, run.optimizer, run.strategy
     take_step: bool | None = True  # None: discarded for a stop request
     stop = False
@@ -202,7 +203,7 @@ def optimizer_step(run: Run, loss: torch.Tensor, value: float, micro: int) -> bo
         strategy.finish_step(taken)
     optimizer.zero_grad(set_to_none=True)
     timer = run.timer
-    timer.sums[3] += run.clock() - start
+    timer.sums[3] += time.perf_counter() - start
     timer.steps += 1
     step = run.global_step = run.global_step + 1
     if stop or step >= run.next_event:
